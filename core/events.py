@@ -1,0 +1,460 @@
+"""Every fact the protocol records, as frozen, slotted, past-tense dataclasses.
+
+Rules kept here:
+- An event is immutable and carries when it happened (`at`, seconds on the driver's clock), the
+  instance that decided or observed it, and the request it concerns (if any). The run it
+  belongs to is the store's business: a recorder files events under a run.
+- `EVENT_TYPES` is the closed list of event types; `encode` turns an event into
+  `(type name, payload dict)` of plain JSON values and `decode` turns it back, validating every
+  field against the dataclass annotations. Anything unknown or ill-typed is a `SchemaError`.
+- `SCHEMA_VERSION` changes whenever a field is added, removed or changes meaning.
+
+Two families live here: *decisions* made by the state machines of the core, and
+*observations* reported by a driver (a request arrived, a first token left) that the core does
+not decide but the timeline and replay need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from .errors import SchemaError
+
+SCHEMA_VERSION = 1
+
+Blocks = tuple[int, ...]
+Direction = Literal["P->D", "D->P"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    at: float
+    instance: str
+    request: str | None = None
+
+
+# --- observations (reported by drivers) -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestArrived(Event):
+    prompt_tokens: int
+    output_tokens: int
+    conversation: str | None = None
+    tenant: str = "default"
+    turn: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestRouted(Event):
+    mode: Literal["push", "pull"]
+    prefill: str
+    decode: str
+    bidirectional: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillStarted(Event):
+    computed_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FirstTokenEmitted(Event):
+    ttft: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFinished(Event):
+    output_tokens: int
+    ttft: float
+    tpot: float
+    e2e: float
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStalled(Event):
+    """The engine loop spent `seconds` on KV transfer set-up instead of model steps."""
+
+    seconds: float
+    cause: str
+
+
+# --- block ledger -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlocksReserved(Event):
+    blocks: Blocks
+    purpose: Literal["prefill", "remote_kv", "reuse"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlocksFreed(Event):
+    blocks: Blocks
+    reason: str
+
+
+# --- push: registration and rendezvous (prefill side) ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrationSent(Event):
+    attempt: int
+    prefill: str
+    dst_blocks: Blocks
+    expected_notifications: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrationArrived(Event):
+    attempt: int
+    decode: str
+    dst_blocks: Blocks
+    dst_tp: int
+    dst_block_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrationDropped(Event):
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillFinished(Event):
+    attempt: int
+    src_blocks: Blocks
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RendezvousMatched(Event):
+    attempt: int
+    decode: str
+    order: Literal["registration_first", "prefill_first"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestAborted(Event):
+    attempt: int
+    phase: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestPreempted(Event):
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestReissued(Event):
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HoldTimedOut(Event):
+    attempt: int
+    waited: float
+
+
+# --- transfers (both directions, both modes) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferPlanned(Event):
+    attempt: int
+    direction: Direction
+    src: str
+    dst: str
+    src_blocks: Blocks
+    dst_blocks: Blocks
+    num_tokens: int
+    runs: int
+    descriptors: int
+    bytes: int
+    expected_notifications: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferCompleted(Event):
+    attempt: int
+    direction: Direction
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferFailed(Event):
+    attempt: int
+    direction: Direction
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotificationReceived(Event):
+    attempt: int
+    src_rank: int
+    dst_rank: int
+    duplicate: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVReceived(Event):
+    attempt: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVLoadFailed(Event):
+    attempt: int
+    reason: str
+
+
+# --- pull ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetadataRelayed(Event):
+    attempt: int
+    prefill: str
+    decode: str
+    src_blocks: Blocks
+    num_tokens: int
+
+
+# --- leases on held or retained blocks ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseGranted(Event):
+    lease: str
+    blocks: Blocks
+    num_tokens: int
+    block_hashes: tuple[str, ...]
+    expires_at: float
+    renewable: bool
+    purpose: Literal["retained", "pull_hold"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseRenewed(Event):
+    lease: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseRenewalRefused(Event):
+    lease: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeasePinned(Event):
+    lease: str
+    reader: str
+    until: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseUnpinned(Event):
+    lease: str
+    reader: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadRefused(Event):
+    lease: str
+    reader: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseExpired(Event):
+    lease: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseReleased(Event):
+    lease: str
+    reason: str
+
+
+# --- reuse decision (prefill side, bidirectional) ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReuseDecided(Event):
+    lease: str | None
+    outcome: Literal["read", "recompute", "miss", "mismatch", "expired", "refused"]
+    prompt_tokens: int
+    local_hit_tokens: int
+    matched_tokens: int
+    remote_tokens: int
+    threshold: int
+
+
+# --- router session table ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionStored(Event):
+    tenant: str
+    conversation: str
+    decode: str
+    lease: str
+    num_tokens: int
+    block_hashes: tuple[str, ...]
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionTaken(Event):
+    tenant: str
+    conversation: str
+    lease: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionMissed(Event):
+    tenant: str
+    conversation: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionDropped(Event):
+    tenant: str
+    conversation: str
+    lease: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionRenewed(Event):
+    tenant: str
+    conversation: str
+    lease: str
+    expires_at: float
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.__name__: cls
+    for cls in (
+        RequestArrived, RequestRouted, PrefillStarted, FirstTokenEmitted, RequestFinished,
+        EngineStalled, BlocksReserved, BlocksFreed, RegistrationSent, RegistrationArrived,
+        RegistrationDropped, PrefillFinished, RendezvousMatched, RequestAborted,
+        RequestPreempted, RequestReissued, HoldTimedOut, TransferPlanned, TransferCompleted,
+        TransferFailed, NotificationReceived, KVReceived, KVLoadFailed, MetadataRelayed,
+        LeaseGranted, LeaseRenewed, LeaseRenewalRefused, LeasePinned, LeaseUnpinned,
+        ReadRefused, LeaseExpired, LeaseReleased, ReuseDecided, SessionStored, SessionTaken,
+        SessionMissed, SessionDropped, SessionRenewed,
+    )
+}
+
+_COMMON = ("at", "instance", "request")
+
+
+# --- encoding -------------------------------------------------------------------------------------
+
+
+def encode(event: Event) -> tuple[str, dict[str, Any]]:
+    """Split an event into its type name and a JSON-ready payload (common fields excluded)."""
+    name = type(event).__name__
+    if EVENT_TYPES.get(name) is not type(event):
+        raise SchemaError(f"unknown event type {name!r}")
+    payload = {
+        f.name: _plain(getattr(event, f.name))
+        for f in dataclasses.fields(event)
+        if f.name not in _COMMON
+    }
+    return name, payload
+
+
+def decode(
+    type_name: str, payload: dict[str, Any], *, at: float, instance: str, request: str | None
+) -> Event:
+    """Rebuild an event from its type name and payload, checking every field."""
+    cls = EVENT_TYPES.get(type_name)
+    if cls is None:
+        raise SchemaError(f"unknown event type {type_name!r}")
+    if not isinstance(payload, dict):
+        raise SchemaError(f"{type_name}: payload must be an object, got {type(payload).__name__}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in _COMMON}
+    unknown = set(payload) - set(fields)
+    if unknown:
+        raise SchemaError(f"{type_name}: unknown field(s) {sorted(unknown)}")
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in payload:
+            no_default = f.default is dataclasses.MISSING
+            if no_default and f.default_factory is dataclasses.MISSING:
+                raise SchemaError(f"{type_name}: missing field {name!r}")
+            continue
+        values[name] = _coerce(payload[name], hints[name], f"{type_name}.{name}")
+    common = {"at": at, "instance": instance, "request": request}
+    for name in _COMMON:
+        values[name] = _coerce(common[name], hints[name], f"{type_name}.{name}")
+    return cls(**values)
+
+
+def validate(event: Event) -> None:
+    """Raise `SchemaError` unless the event round-trips through its schema."""
+    name, payload = encode(event)
+    decode(name, payload, at=event.at, instance=event.instance, request=event.request)
+
+
+_HINTS: dict[type[Event], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Event]) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise SchemaError(f"{where}: {value!r} is not one of {typing.get_args(hint)}")
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, where)
+            except SchemaError as exc:
+                errors.append(str(exc))
+        raise SchemaError(f"{where}: {value!r} fits none of {hint}")
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, (list, tuple)):
+            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
+        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is type(None):
+        if value is not None:
+            raise SchemaError(f"{where}: expected null, got {value!r}")
+        return None
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SchemaError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SchemaError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint in (str, bool):
+        if not isinstance(value, hint):
+            raise SchemaError(f"{where}: expected {hint.__name__}, got {value!r}")
+        return value
+    raise SchemaError(f"{where}: unsupported annotation {hint!r}")

@@ -1,0 +1,3 @@
+from kvplane.cli import main
+
+main()
