@@ -28,7 +28,6 @@ demo: setup
 	$(VENV)/bin/kvplane demo
 
 test: system-deps setup
-	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: setup

@@ -90,12 +90,14 @@ class EngineStalled(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlocksReserved(Event):
+    attempt: int = 0
     blocks: Blocks
-    purpose: Literal["prefill", "remote_kv", "reuse"]
+    purpose: Literal["prefill", "remote_kv", "reuse", "decode"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlocksFreed(Event):
+    attempt: int = 0
     blocks: Blocks
     reason: str
 
@@ -108,7 +110,10 @@ class RegistrationSent(Event):
     attempt: int
     prefill: str
     dst_blocks: Blocks
+    num_tokens: int
+    src_tp: int
     expected_notifications: int
+    deadline: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,6 +235,7 @@ class MetadataRelayed(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LeaseGranted(Event):
+    attempt: int = 0
     lease: str
     blocks: Blocks
     num_tokens: int
@@ -268,6 +274,14 @@ class LeaseUnpinned(Event):
 class ReadRefused(Event):
     lease: str
     reader: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseReleaseDeferred(Event):
+    """A release asked for while a read holds the lease: it takes effect when the read ends."""
+
+    lease: str
     reason: str
 
 
@@ -343,14 +357,45 @@ class SessionRenewed(Event):
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
-        RequestArrived, RequestRouted, PrefillStarted, FirstTokenEmitted, RequestFinished,
-        EngineStalled, BlocksReserved, BlocksFreed, RegistrationSent, RegistrationArrived,
-        RegistrationDropped, PrefillFinished, RendezvousMatched, RequestAborted,
-        RequestPreempted, RequestReissued, HoldTimedOut, TransferPlanned, TransferCompleted,
-        TransferFailed, NotificationReceived, KVReceived, KVLoadFailed, MetadataRelayed,
-        LeaseGranted, LeaseRenewed, LeaseRenewalRefused, LeasePinned, LeaseUnpinned,
-        ReadRefused, LeaseExpired, LeaseReleased, ReuseDecided, SessionStored, SessionTaken,
-        SessionMissed, SessionDropped, SessionRenewed,
+        RequestArrived,
+        RequestRouted,
+        PrefillStarted,
+        FirstTokenEmitted,
+        RequestFinished,
+        EngineStalled,
+        BlocksReserved,
+        BlocksFreed,
+        RegistrationSent,
+        RegistrationArrived,
+        RegistrationDropped,
+        PrefillFinished,
+        RendezvousMatched,
+        RequestAborted,
+        RequestPreempted,
+        RequestReissued,
+        HoldTimedOut,
+        TransferPlanned,
+        TransferCompleted,
+        TransferFailed,
+        NotificationReceived,
+        KVReceived,
+        KVLoadFailed,
+        MetadataRelayed,
+        LeaseGranted,
+        LeaseRenewed,
+        LeaseRenewalRefused,
+        LeasePinned,
+        LeaseUnpinned,
+        ReadRefused,
+        LeaseReleaseDeferred,
+        LeaseExpired,
+        LeaseReleased,
+        ReuseDecided,
+        SessionStored,
+        SessionTaken,
+        SessionMissed,
+        SessionDropped,
+        SessionRenewed,
     )
 }
 

@@ -1,0 +1,465 @@
+"""The decode instance's side of the protocol.
+
+Rules kept here:
+- Push: decode reserves destination blocks at allocation time and sends their ids in a
+  registration (`RegistrationSent`). It counts completion notifications, one per (producer rank,
+  consumer rank) stream of the plan, and has the KV only when every expected one arrived.
+  Duplicates are recorded and not counted; a notification from a stream that was never expected
+  is the peer misbehaving (`PeerError`).
+- Pull: decode plans the READ itself (in its engine loop: the driver charges that time) once
+  prefill's metadata is relayed, and has the KV when the READ completes.
+- Blocks that a transfer may still write into are never freed: an abort while a push is in
+  flight waits for the remaining notifications or the time-out. A KV wait that passes its
+  deadline fails (`KVLoadFailed`) and the request falls back to computing its prompt locally.
+- When generation ends, decode frees the request's blocks, or, with bidirectional reuse, keeps
+  them under a lease (fixed TTL or renewable) whose handle the router stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from .errors import PeerError
+from .events import (
+    BlocksFreed,
+    BlocksReserved,
+    Event,
+    KVLoadFailed,
+    KVReceived,
+    LeaseGranted,
+    NotificationReceived,
+    RegistrationSent,
+    RequestAborted,
+    TransferCompleted,
+    TransferFailed,
+    TransferPlanned,
+)
+from .lease import BeginRead, EndRead, Grant, Heartbeat, LeaseCommand, LeaseTable, Release
+from .lease import Tick as LeaseTick
+from .ledger import Ledger
+from .machine import Machine
+from .plan import KVLayout, fan_out, plan_transfer
+
+LEASE_COMMANDS = (Grant, Heartbeat, BeginRead, EndRead, Release, LeaseTick)
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectKV:
+    """Decode allocated `blocks` for a request whose prompt KV comes from `prefill`."""
+
+    request: str
+    attempt: int
+    prefill: str
+    blocks: tuple[int, ...]
+    num_tokens: int
+    src_layout: KVLayout
+    mode: Literal["push", "pull"] = "push"
+    src_blocks: tuple[int, ...] = ()  # pull: prefill's blocks, from the relayed metadata
+    timeout: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Notify:
+    request: str
+    attempt: int
+    src_rank: int
+    dst_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullDone:
+    request: str
+    attempt: int
+    ok: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KVFailed:
+    """The producer reported that the KV will not come (send failed, registration dropped)."""
+
+    request: str
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Allocate:
+    request: str
+    attempt: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retain:
+    lease: str
+    ttl: float
+    renewable: bool
+    num_tokens: int
+    block_hashes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    request: str
+    attempt: int
+    retain: Retain | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+DecodeCommand = (
+    ExpectKV | Notify | PullDone | KVFailed | Allocate | Abort | Finish | Tick | LeaseCommand
+)
+
+
+# --- state -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Entry:
+    attempt: int
+    phase: str = "decoding"
+    mode: str = "push"
+    blocks: tuple[int, ...] = ()
+    num_tokens: int = 0
+    expected: frozenset[tuple[int, int]] = frozenset()
+    received: set[tuple[int, int]] = field(default_factory=set)
+    deadline: float = float("inf")
+    since: float = 0.0
+
+
+Key = tuple[str, int]
+
+
+class DecodeCore(Machine[DecodeCommand]):
+    name = "decode"
+
+    def __init__(self, instance: str, layout: KVLayout) -> None:
+        super().__init__(instance)
+        self.layout = layout
+        self.ledger = Ledger()
+        self.leases = LeaseTable(instance)
+        self.entries: dict[Key, Entry] = {}
+        self.ended: set[Key] = set()
+
+    def phase(self, request: str, attempt: int) -> str:
+        if (request, attempt) in self.ended:
+            return "ended"
+        e = self.entries.get((request, attempt))
+        return e.phase if e else "absent"
+
+    def _free(self, now: float, key: Key, reason: str) -> list[Event]:
+        e = self.entries.get(key)
+        if e is None or not e.blocks:
+            return []
+        return [
+            BlocksFreed(
+                at=now,
+                instance=self.instance,
+                request=key[0],
+                attempt=key[1],
+                blocks=e.blocks,
+                reason=reason,
+            )
+        ]
+
+    # decide -------------------------------------------------------------------------------------
+    def decide(self, cmd: DecodeCommand, now: float) -> list[Event]:
+        if isinstance(cmd, Tick):
+            return self._tick(now)
+        if isinstance(cmd, LEASE_COMMANDS):
+            return self.leases.decide(cmd, now)
+        return self._dispatch(TABLE, self.phase(cmd.request, cmd.attempt), cmd, now)
+
+    def _tick(self, now: float) -> list[Event]:
+        out: list[Event] = []
+        for (req, att), e in self.entries.items():
+            if e.phase in ("awaiting_kv", "aborting") and now >= e.deadline:
+                out.append(
+                    KVLoadFailed(
+                        at=now,
+                        instance=self.instance,
+                        request=req,
+                        attempt=att,
+                        reason="timed out waiting for KV",
+                    )
+                )
+                if e.phase == "aborting":
+                    out += self._free(now, (req, att), "aborted; KV wait timed out")
+        return out + self.leases.decide(LeaseTick(), now)
+
+    def _expect(self, cmd: ExpectKV, now: float) -> list[Event]:
+        reserved = BlocksReserved(
+            at=now,
+            instance=self.instance,
+            request=cmd.request,
+            attempt=cmd.attempt,
+            blocks=cmd.blocks,
+            purpose="remote_kv",
+        )
+        if cmd.mode == "push":
+            streams = fan_out(cmd.src_layout, self.layout)
+            return [
+                reserved,
+                RegistrationSent(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    prefill=cmd.prefill,
+                    dst_blocks=cmd.blocks,
+                    num_tokens=cmd.num_tokens,
+                    src_tp=cmd.src_layout.tp,
+                    expected_notifications=len(streams),
+                    deadline=now + cmd.timeout,
+                ),
+            ]
+        plan = plan_transfer(
+            cmd.src_layout, self.layout, cmd.src_blocks, cmd.blocks, cmd.num_tokens
+        )
+        return [
+            reserved,
+            TransferPlanned(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                direction="P->D",
+                src=cmd.prefill,
+                dst=self.instance,
+                src_blocks=cmd.src_blocks,
+                dst_blocks=cmd.blocks,
+                num_tokens=cmd.num_tokens,
+                runs=len(plan.runs),
+                descriptors=plan.descriptors,
+                bytes=plan.bytes,
+                expected_notifications=len(plan.streams),
+            ),
+        ]
+
+    def _notify(self, cmd: Notify, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        e = self.entries.get(key)
+        pair = (cmd.src_rank, cmd.dst_rank)
+        if e is None or e.mode != "push" or e.phase not in ("awaiting_kv", "aborting"):
+            # late or stale: the wait already ended (time-out, failure) or the attempt is gone
+            return [
+                NotificationReceived(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    src_rank=cmd.src_rank,
+                    dst_rank=cmd.dst_rank,
+                    duplicate=True,
+                )
+            ]
+        if pair not in e.expected:
+            raise PeerError(
+                f"{cmd.request}: notification from stream {pair}, expected {sorted(e.expected)}"
+            )
+        dup = pair in e.received
+        out: list[Event] = [
+            NotificationReceived(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                src_rank=cmd.src_rank,
+                dst_rank=cmd.dst_rank,
+                duplicate=dup,
+            )
+        ]
+        if not dup and len(e.received) + 1 == len(e.expected):
+            out.append(
+                KVReceived(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    num_tokens=e.num_tokens,
+                )
+            )
+            if e.phase == "aborting":
+                out += self._free(now, key, "aborted; transfer drained")
+        return out
+
+    def _pull_done(self, cmd: PullDone, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        e = self.entries[key]
+        if cmd.ok:
+            out: list[Event] = [
+                TransferCompleted(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    direction="P->D",
+                ),
+                KVReceived(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    num_tokens=e.num_tokens,
+                ),
+            ]
+        else:
+            out = [
+                TransferFailed(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    direction="P->D",
+                    reason=cmd.reason or "read failed",
+                ),
+                KVLoadFailed(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    reason=cmd.reason or "read failed",
+                ),
+            ]
+        if e.phase == "aborting":
+            out += self._free(now, key, "aborted; read drained")
+        return out
+
+    def _kv_failed(self, cmd: KVFailed, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        out: list[Event] = [
+            KVLoadFailed(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                reason=cmd.reason,
+            )
+        ]
+        if self.entries[key].phase == "aborting":
+            out += self._free(now, key, "aborted; KV will not come")
+        return out
+
+    def _allocate(self, cmd: Allocate, now: float) -> list[Event]:
+        return [
+            BlocksReserved(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                blocks=cmd.blocks,
+                purpose="decode",
+            )
+        ]
+
+    def _abort(self, cmd: Abort, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        phase = self.phase(*key)
+        if phase in ("ended", "aborting"):
+            return []
+        aborted = RequestAborted(
+            at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt, phase=phase
+        )
+        if phase == "awaiting_kv":
+            return [aborted]  # a transfer may still write into the blocks: wait for it
+        return [aborted, *self._free(now, key, "aborted")]
+
+    def _finish(self, cmd: Finish, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        e = self.entries.get(key)
+        if cmd.retain is None or e is None or not e.blocks:
+            return self._free(now, key, "finished")
+        r = cmd.retain
+        return self.leases.decide(
+            Grant(
+                r.lease,
+                cmd.request,
+                e.blocks,
+                r.num_tokens,
+                r.ttl,
+                r.renewable,
+                r.block_hashes,
+                "retained",
+                cmd.attempt,
+            ),
+            now,
+        )
+
+    # apply --------------------------------------------------------------------------------------
+    def apply(self, ev: Event) -> DecodeCore:
+        key = (ev.request or "", getattr(ev, "attempt", 0))
+        if isinstance(ev, LeaseGranted):
+            self._end(key)  # the blocks now belong to the lease
+        if self.leases.apply(ev):
+            return self
+        if isinstance(ev, BlocksReserved):
+            self.ledger.apply(ev)
+            e = self._open(key, ev.at)
+            e.blocks = e.blocks + ev.blocks
+        elif isinstance(ev, BlocksFreed):
+            self.ledger.apply(ev)
+            self._end(key)
+        elif isinstance(ev, RegistrationSent):
+            e = self._open(key, ev.at)
+            e.phase, e.mode, e.num_tokens, e.deadline = (
+                "awaiting_kv",
+                "push",
+                ev.num_tokens,
+                ev.deadline,
+            )
+            src = replace(self.layout, tp=ev.src_tp)
+            e.expected = frozenset((s.src_rank, s.dst_rank) for s in fan_out(src, self.layout))
+        elif isinstance(ev, TransferPlanned):
+            e = self._open(key, ev.at)
+            e.phase, e.mode, e.num_tokens = "awaiting_kv", "pull", ev.num_tokens
+        elif isinstance(ev, NotificationReceived):
+            if not ev.duplicate:
+                self.entries[key].received.add((ev.src_rank, ev.dst_rank))
+        elif isinstance(ev, (KVReceived, KVLoadFailed)):
+            cur = self.entries.get(key)
+            if cur is not None and cur.phase == "awaiting_kv":
+                cur.phase = "decoding"
+        elif isinstance(ev, RequestAborted):
+            if ev.phase == "awaiting_kv":
+                self.entries[key].phase = "aborting"
+            else:
+                self._end(key)
+        return self
+
+    def _open(self, key: Key, at: float) -> Entry:
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = Entry(key[1], since=at)
+        return e
+
+    def _end(self, key: Key) -> None:
+        if self.entries.pop(key, None) is not None:
+            self.ended.add(key)
+
+
+_A, _W, _D, _X, _E = "absent", "awaiting_kv", "decoding", "aborting", "ended"
+TABLE: dict[tuple[str, type], Callable[..., list[Event]]] = {
+    (_A, ExpectKV): DecodeCore._expect,
+    **{(p, Notify): DecodeCore._notify for p in (_A, _W, _D, _X, _E)},
+    **{(p, PullDone): DecodeCore._pull_done for p in (_W, _X)},
+    **{(p, KVFailed): DecodeCore._kv_failed for p in (_W, _X)},
+    **{(p, Allocate): DecodeCore._allocate for p in (_A, _W, _D)},
+    **{(p, Abort): DecodeCore._abort for p in (_A, _W, _D, _X, _E)},
+    (_D, Finish): DecodeCore._finish,
+}

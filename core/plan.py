@@ -1,0 +1,143 @@
+"""Transfer planning: which bytes go from which producer rank to which consumer rank.
+
+Rules kept here:
+- Each side maps block ids to its own physical layout at transfer time. A token `t` of the
+  request lives in slot `blocks[t // block_size] * block_size + t % block_size` of a side's
+  per-layer cache, so source and destination may use different block sizes.
+- A *run* is a maximal range of tokens contiguous on both sides. Adjacent blocks merge into one
+  run; a fragmented pool yields many runs. The walk visits block boundaries only, so planning
+  costs O(blocks), not O(tokens).
+- Fan-out over tensor parallelism: KV heads are split evenly over a side's ranks (replicated
+  when a side has more ranks than KV heads). Every head a consumer rank needs is written by the
+  lowest producer rank holding it. Each (producer, consumer) pair with heads in common is one
+  stream, and each stream ends with one completion notification: a consumer rank has received
+  the KV when every producer rank writing to it has notified.
+- Descriptors: one per run, per layer, for K and V, per stream; when the two sides' TP sizes
+  differ a stream moves a slice of the producer's heads, and each head of the slice becomes its
+  own descriptor (head-major layout), as heterogeneous-TP transfers do in practice.
+- A side that offers fewer blocks than the tokens need is the peer misbehaving (`PeerError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PeerError
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """One side's KV cache geometry."""
+
+    block_size: int
+    tp: int
+    num_layers: int
+    num_kv_heads: int
+    head_bytes: int  # bytes of one head's K (or V) for one token: head_dim * dtype size
+
+    def heads_of(self, rank: int) -> range:
+        if self.tp <= self.num_kv_heads:
+            per = self.num_kv_heads // self.tp
+            return range(rank * per, (rank + 1) * per)
+        h = rank * self.num_kv_heads // self.tp
+        return range(h, h + 1)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    src_slot: int
+    dst_slot: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    src_rank: int
+    dst_rank: int
+    heads: int  # KV heads this stream moves
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    runs: tuple[Run, ...]
+    streams: tuple[Stream, ...]
+    num_tokens: int
+    descriptors: int
+    bytes: int
+
+    @property
+    def expected(self) -> frozenset[tuple[int, int]]:
+        """The (producer rank, consumer rank) notifications that complete this transfer."""
+        return frozenset((s.src_rank, s.dst_rank) for s in self.streams)
+
+    def notifications_for(self, dst_rank: int) -> int:
+        return sum(1 for s in self.streams if s.dst_rank == dst_rank)
+
+
+def merge_runs(
+    src_blocks: tuple[int, ...], src_bs: int, dst_blocks: tuple[int, ...], dst_bs: int, n: int
+) -> tuple[Run, ...]:
+    """Token runs contiguous on both sides, for the first `n` tokens."""
+    if len(src_blocks) * src_bs < n:
+        raise PeerError(f"source offers {len(src_blocks)} blocks of {src_bs}, {n} tokens needed")
+    if len(dst_blocks) * dst_bs < n:
+        raise PeerError(f"destination offers {len(dst_blocks)} blocks of {dst_bs}, {n} needed")
+    runs: list[Run] = []
+    t = 0
+    while t < n:
+        end = min((t // src_bs + 1) * src_bs, (t // dst_bs + 1) * dst_bs, n)
+        s = src_blocks[t // src_bs] * src_bs + t % src_bs
+        d = dst_blocks[t // dst_bs] * dst_bs + t % dst_bs
+        if (
+            runs
+            and runs[-1].src_slot + runs[-1].tokens == s
+            and (runs[-1].dst_slot + runs[-1].tokens == d)
+        ):
+            last = runs[-1]
+            runs[-1] = Run(last.src_slot, last.dst_slot, last.tokens + end - t)
+        else:
+            runs.append(Run(s, d, end - t))
+        t = end
+    return tuple(runs)
+
+
+def fan_out(src: KVLayout, dst: KVLayout) -> tuple[Stream, ...]:
+    """Which producer rank writes how many heads to which consumer rank."""
+    if src.num_kv_heads != dst.num_kv_heads:
+        raise PeerError(
+            f"KV heads differ: producer {src.num_kv_heads}, consumer {dst.num_kv_heads}"
+        )
+    owner: dict[int, int] = {}
+    for r in range(src.tp):
+        for h in src.heads_of(r):
+            owner.setdefault(h, r)
+    streams: list[Stream] = []
+    for d in range(dst.tp):
+        count: dict[int, int] = {}
+        for h in dst.heads_of(d):
+            count[owner[h]] = count.get(owner[h], 0) + 1
+        streams.extend(Stream(s, d, k) for s, k in sorted(count.items()))
+    return tuple(streams)
+
+
+def plan_transfer(
+    src: KVLayout,
+    dst: KVLayout,
+    src_blocks: tuple[int, ...],
+    dst_blocks: tuple[int, ...],
+    num_tokens: int,
+) -> TransferPlan:
+    """Plan moving `num_tokens` of KV from `src_blocks` (producer) into `dst_blocks` (consumer)."""
+    if src.num_layers != dst.num_layers or src.head_bytes != dst.head_bytes:
+        raise PeerError("producer and consumer disagree on the model's layers or head size")
+    runs = merge_runs(src_blocks, src.block_size, dst_blocks, dst.block_size, num_tokens)
+    streams = fan_out(src, dst)
+    per_head = src.tp != dst.tp
+    descriptors = sum(
+        len(runs) * src.num_layers * 2 * (s.heads if per_head else 1) for s in streams
+    )
+    nbytes = sum(num_tokens * src.num_layers * 2 * s.heads * src.head_bytes for s in streams)
+    return TransferPlan(runs, streams, num_tokens, descriptors, nbytes)

@@ -1,0 +1,611 @@
+"""The prefill instance's side of the protocol.
+
+Push (registration and rendezvous). Decode's registration and prefill's own finish arrive in
+either order; the second one matches them and plans the WRITE. Rules kept:
+- Matching is by (request id, attempt). A re-issued request gets a new attempt; anything that
+  still arrives for an older attempt is dropped, never matched.
+- Prefill holds a finished request's blocks until the WRITE completes or fails, until the request
+  is aborted, or until `hold_timeout` passes with no registration. Blocks under an in-flight
+  WRITE are never freed: an abort during a transfer frees them when the transfer ends.
+- A registration for a request that already ended is dropped (and recorded), never held.
+- Every matched transfer ends exactly once: `TransferCompleted` or `TransferFailed`.
+
+Pull. A finished prefill's blocks go under a renewable lease (`pull_hold`, vLLM's
+`kv_lease_duration`, 30 s); decode's read-done releases it, heartbeats extend it, and expiry
+frees the blocks if the reader never comes.
+
+Bidirectional reuse. `DecideReuse` applies `kvplane.core.reuse.decide_reuse`; a READ from
+decode's retained blocks is planned into blocks prefill reserved with purpose `reuse`.
+
+Phases of a push entry: `waiting` (registration and/or computing, not finished), `held`
+(finished, no registration yet), `transferring` (matched, WRITE in flight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from .errors import PeerError, ProtocolError
+from .events import (
+    BlocksFreed,
+    BlocksReserved,
+    Event,
+    HoldTimedOut,
+    LeaseGranted,
+    PrefillFinished,
+    RegistrationArrived,
+    RegistrationDropped,
+    RendezvousMatched,
+    RequestAborted,
+    RequestPreempted,
+    RequestReissued,
+    TransferCompleted,
+    TransferFailed,
+    TransferPlanned,
+)
+from .lease import BeginRead, EndRead, Grant, Heartbeat, LeaseCommand, LeaseTable, Release
+from .lease import Tick as LeaseTick
+from .ledger import Ledger
+from .machine import Machine
+from .plan import KVLayout, plan_transfer
+from .reuse import RetainedHandle, decide_reuse
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Allocate:
+    request: str
+    attempt: int
+    blocks: tuple[int, ...]
+    purpose: Literal["prefill", "reuse"] = "prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    request: str
+    attempt: int
+    decode: str
+    dst_blocks: tuple[int, ...]
+    dst_layout: KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class FinishPrefill:
+    request: str
+    attempt: int
+    num_tokens: int
+    mode: Literal["push", "pull"] = "push"
+    hold_ttl: float = 30.0  # pull: vLLM's kv_lease_duration
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    request: str
+    attempt: int
+    ok: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    request: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reissue:
+    request: str
+    attempt: int  # the new attempt
+
+
+@dataclass(frozen=True, slots=True)
+class PullReadDone:
+    request: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecideReuse:
+    request: str
+    attempt: int
+    handle: RetainedHandle | None
+    prompt_hashes: tuple[str, ...]
+    prompt_tokens: int
+    local_hit_tokens: int
+    threshold: int = 64
+    estimated_read: float = 0.0
+    margin: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class StartReuseRead:
+    request: str
+    attempt: int
+    handle: RetainedHandle
+    src_blocks: tuple[int, ...]  # decode's retained blocks (the matched prefix)
+    src_layout: KVLayout
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseReadDone:
+    request: str
+    attempt: int
+    ok: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Release_:
+    """Prefill is done with a request's blocks (its KV left, or it failed): free what it owns."""
+
+    request: str
+    attempt: int
+    reason: str = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+LEASE_COMMANDS = (Grant, Heartbeat, BeginRead, EndRead, Release, LeaseTick)
+
+PrefillCommand = (
+    Allocate
+    | Register
+    | FinishPrefill
+    | TransferDone
+    | Abort
+    | Preempt
+    | Reissue
+    | PullReadDone
+    | DecideReuse
+    | StartReuseRead
+    | ReuseReadDone
+    | Release_
+    | Tick
+    | LeaseCommand
+)
+
+
+# --- state -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Entry:
+    attempt: int
+    phase: str = "waiting"
+    blocks: tuple[int, ...] = ()
+    registration: RegistrationArrived | None = None
+    finished: PrefillFinished | None = None
+    abort_pending: bool = False
+    reading: bool = False  # a D->P reuse read in flight
+
+
+def hold_lease_id(request: str, attempt: int) -> str:
+    return f"{request}#{attempt}/hold"
+
+
+Key = tuple[str, int]
+
+
+class PrefillCore(Machine[PrefillCommand]):
+    name = "prefill"
+
+    def __init__(self, instance: str, layout: KVLayout, hold_timeout: float = 30.0) -> None:
+        super().__init__(instance)
+        self.layout = layout
+        self.hold_timeout = hold_timeout
+        self.ledger = Ledger()
+        self.leases = LeaseTable(instance)
+        self.entries: dict[Key, Entry] = {}
+        self.latest: dict[str, int] = {}  # newest attempt seen per request
+        self.ended: set[Key] = set()
+
+    # helpers ------------------------------------------------------------------------------------
+    def phase(self, request: str, attempt: int) -> str:
+        if (request, attempt) in self.ended:
+            return "ended"
+        e = self.entries.get((request, attempt))
+        return e.phase if e else "absent"
+
+    def layout_of(self, reg: RegistrationArrived) -> KVLayout:
+        """Decode's layout: same model, its own block size and TP (from the registration)."""
+        return replace(self.layout, block_size=reg.dst_block_size, tp=reg.dst_tp)
+
+    def _free(self, now: float, key: Key, reason: str) -> list[Event]:
+        e = self.entries.get(key)
+        if e is None or not e.blocks:
+            return []
+        return [
+            BlocksFreed(
+                at=now,
+                instance=self.instance,
+                request=key[0],
+                attempt=key[1],
+                blocks=e.blocks,
+                reason=reason,
+            )
+        ]
+
+    def _stale(self, request: str, attempt: int) -> str | None:
+        if (request, attempt) in self.ended:
+            return "request already ended"
+        if attempt < self.latest.get(request, attempt):
+            return "stale attempt"
+        return None
+
+    def _plan_push(
+        self, now: float, reg: RegistrationArrived, fin: PrefillFinished, order: str
+    ) -> list[Event]:
+        plan = plan_transfer(
+            self.layout, self.layout_of(reg), fin.src_blocks, reg.dst_blocks, fin.num_tokens
+        )
+        return [
+            RendezvousMatched(
+                at=now,
+                instance=self.instance,
+                request=fin.request,
+                attempt=fin.attempt,
+                decode=reg.decode,
+                order=order,  # type: ignore[arg-type]
+            ),
+            TransferPlanned(
+                at=now,
+                instance=self.instance,
+                request=fin.request,
+                attempt=fin.attempt,
+                direction="P->D",
+                src=self.instance,
+                dst=reg.decode,
+                src_blocks=fin.src_blocks,
+                dst_blocks=reg.dst_blocks,
+                num_tokens=fin.num_tokens,
+                runs=len(plan.runs),
+                descriptors=plan.descriptors,
+                bytes=plan.bytes,
+                expected_notifications=len(plan.streams),
+            ),
+        ]
+
+    # decide -------------------------------------------------------------------------------------
+    def decide(self, cmd: PrefillCommand, now: float) -> list[Event]:
+        if isinstance(cmd, Tick):
+            return self._tick(now)
+        if isinstance(cmd, LEASE_COMMANDS):
+            return self.leases.decide(cmd, now)
+        key = (cmd.request, cmd.attempt)
+        return self._dispatch(TABLE, self.phase(*key), cmd, now)
+
+    def _tick(self, now: float) -> list[Event]:
+        out: list[Event] = []
+        for key, e in self.entries.items():
+            if e.phase == "held" and e.finished and now - e.finished.at >= self.hold_timeout:
+                out.append(
+                    HoldTimedOut(
+                        at=now,
+                        instance=self.instance,
+                        request=key[0],
+                        attempt=key[1],
+                        waited=now - e.finished.at,
+                    )
+                )
+                out += self._free(now, key, "no registration before the hold time-out")
+        return out + self.leases.decide(LeaseTick(), now)
+
+    def _allocate(self, cmd: Allocate, now: float) -> list[Event]:
+        if self._stale(cmd.request, cmd.attempt):
+            raise ProtocolError(self.name, "stale", "Allocate", cmd.request)
+        return [
+            BlocksReserved(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                blocks=cmd.blocks,
+                purpose=cmd.purpose,
+            )
+        ]
+
+    def _register(self, cmd: Register, now: float) -> list[Event]:
+        stale = self._stale(cmd.request, cmd.attempt)
+        e = self.entries.get((cmd.request, cmd.attempt))
+        if stale is None and e is not None and e.registration is not None:
+            stale = "duplicate registration"
+        if stale is not None:
+            return [
+                RegistrationDropped(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    reason=stale,
+                )
+            ]
+        if cmd.dst_layout.num_layers != self.layout.num_layers:
+            raise PeerError(
+                f"{cmd.decode} registered a cache of {cmd.dst_layout.num_layers} "
+                f"layers, ours has {self.layout.num_layers}"
+            )
+        arrived = RegistrationArrived(
+            at=now,
+            instance=self.instance,
+            request=cmd.request,
+            attempt=cmd.attempt,
+            decode=cmd.decode,
+            dst_blocks=cmd.dst_blocks,
+            dst_tp=cmd.dst_layout.tp,
+            dst_block_size=cmd.dst_layout.block_size,
+        )
+        if e is not None and e.phase == "held":
+            assert e.finished is not None
+            return [arrived, *self._plan_push(now, arrived, e.finished, "prefill_first")]
+        return [arrived]
+
+    def _finish(self, cmd: FinishPrefill, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        e = self.entries.get(key)
+        src = e.blocks if e else ()
+        fin = PrefillFinished(
+            at=now,
+            instance=self.instance,
+            request=cmd.request,
+            attempt=cmd.attempt,
+            src_blocks=src,
+            num_tokens=cmd.num_tokens,
+        )
+        if cmd.mode == "pull":
+            grant = Grant(
+                hold_lease_id(*key),
+                cmd.request,
+                src,
+                cmd.num_tokens,
+                cmd.hold_ttl,
+                renewable=True,
+                purpose="pull_hold",
+                attempt=cmd.attempt,
+            )
+            return [fin, *self.leases.decide(grant, now)]
+        if e is not None and e.registration is not None:
+            return [fin, *self._plan_push(now, e.registration, fin, "registration_first")]
+        return [fin]
+
+    def _transfer_done(self, cmd: TransferDone, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        done: Event
+        if cmd.ok:
+            done = TransferCompleted(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                direction="P->D",
+            )
+        else:
+            done = TransferFailed(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                direction="P->D",
+                reason=cmd.reason or "transfer failed",
+            )
+        return [done, *self._free(now, key, "KV sent" if cmd.ok else "send failed")]
+
+    def _abort(self, cmd: Abort, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        phase = self.phase(*key)
+        if phase == "ended" or self._stale(*key):
+            return []  # an abort after the end changes nothing
+        e = self.entries.get(key)
+        if e is not None and e.abort_pending:
+            return []
+        aborted = RequestAborted(
+            at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt, phase=phase
+        )
+        if phase == "transferring" or (e is not None and e.reading):
+            return [aborted]  # blocks are freed when the transfer in flight ends
+        return [aborted, *self._free(now, key, "aborted")]
+
+    def _preempt(self, cmd: Preempt, now: float) -> list[Event]:
+        key = (cmd.request, cmd.attempt)
+        e = self.entries.get(key)
+        if e is not None and e.reading:
+            raise ProtocolError(self.name, "reading", "Preempt", "a reuse read is in flight")
+        return [
+            RequestPreempted(
+                at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt
+            ),
+            *self._free(now, key, "preempted"),
+        ]
+
+    def _reissue(self, cmd: Reissue, now: float) -> list[Event]:
+        last = self.latest.get(cmd.request, -1)
+        if cmd.attempt <= last:
+            raise ProtocolError(
+                self.name, f"attempt {last}", "Reissue", f"attempt {cmd.attempt} is not newer"
+            )
+        out: list[Event] = [
+            RequestReissued(
+                at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt
+            )
+        ]
+        for key, e in self.entries.items():
+            if key[0] == cmd.request and e.phase != "transferring" and not e.reading:
+                out += self._free(now, key, "re-issued")
+        return out
+
+    def _pull_read_done(self, cmd: PullReadDone, now: float) -> list[Event]:
+        return self.leases.decide(
+            Release(hold_lease_id(cmd.request, cmd.attempt), "read by decode"), now
+        )
+
+    def _decide_reuse(self, cmd: DecideReuse, now: float) -> list[Event]:
+        return [
+            decide_reuse(
+                now=now,
+                instance=self.instance,
+                request=cmd.request,
+                handle=cmd.handle,
+                prompt_hashes=cmd.prompt_hashes,
+                prompt_tokens=cmd.prompt_tokens,
+                local_hit_tokens=cmd.local_hit_tokens,
+                threshold=cmd.threshold,
+                estimated_read=cmd.estimated_read,
+                margin=cmd.margin,
+            )
+        ]
+
+    def _start_read(self, cmd: StartReuseRead, now: float) -> list[Event]:
+        e = self.entries.get((cmd.request, cmd.attempt))
+        dst = e.blocks if e else ()
+        plan = plan_transfer(cmd.src_layout, self.layout, cmd.src_blocks, dst, cmd.num_tokens)
+        return [
+            TransferPlanned(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                direction="D->P",
+                src=cmd.handle.decode,
+                dst=self.instance,
+                src_blocks=cmd.src_blocks,
+                dst_blocks=dst,
+                num_tokens=cmd.num_tokens,
+                runs=len(plan.runs),
+                descriptors=plan.descriptors,
+                bytes=plan.bytes,
+                expected_notifications=len(plan.streams),
+            )
+        ]
+
+    def _read_done(self, cmd: ReuseReadDone, now: float) -> list[Event]:
+        e = self.entries.get((cmd.request, cmd.attempt))
+        if e is None or not e.reading:
+            raise ProtocolError(
+                self.name,
+                self.phase(cmd.request, cmd.attempt),
+                "ReuseReadDone",
+                "no read in flight",
+            )
+        done: Event
+        if cmd.ok:
+            done = TransferCompleted(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                direction="D->P",
+            )
+        else:
+            done = TransferFailed(
+                at=now,
+                instance=self.instance,
+                request=cmd.request,
+                attempt=cmd.attempt,
+                direction="D->P",
+                reason=cmd.reason or "read failed",
+            )
+        if e.abort_pending:
+            return [done, *self._free(now, (cmd.request, cmd.attempt), "aborted")]
+        return [done]
+
+    def _release(self, cmd: Release_, now: float) -> list[Event]:
+        return self._free(now, (cmd.request, cmd.attempt), cmd.reason)
+
+    # apply --------------------------------------------------------------------------------------
+    def apply(self, ev: Event) -> PrefillCore:
+        if isinstance(ev, LeaseGranted) and ev.purpose == "pull_hold":
+            # custody of the finished prefill's blocks passes to the hold lease
+            self._end((ev.request or "", ev.attempt))
+        if self.leases.apply(ev):
+            return self
+        req = ev.request or ""
+        attempt = getattr(ev, "attempt", 0)
+        key = (req, attempt)
+        if isinstance(ev, RequestReissued):
+            for k, e in list(self.entries.items()):
+                if k[0] == req and e.phase != "transferring" and not e.reading:
+                    self._end(k)
+            self.latest[req] = ev.attempt
+            return self
+        if isinstance(ev, (BlocksReserved, BlocksFreed)):
+            self.ledger.apply(ev)
+            if isinstance(ev, BlocksReserved):
+                e = self._open(key)
+                e.blocks = e.blocks + ev.blocks
+            elif key in self.entries:
+                gone = set(ev.blocks)
+                e = self.entries[key]
+                e.blocks = tuple(b for b in e.blocks if b not in gone)
+            return self
+        if isinstance(ev, RegistrationArrived):
+            self._open(key).registration = ev
+        elif isinstance(ev, PrefillFinished):
+            e = self._open(key)
+            e.finished = ev
+            e.phase = "held"
+        elif isinstance(ev, RendezvousMatched):
+            self.entries[key].phase = "transferring"
+        elif isinstance(ev, TransferPlanned) and ev.direction == "D->P":
+            self._open(key).reading = True
+        elif isinstance(ev, (TransferCompleted, TransferFailed)):
+            e = self.entries[key]
+            if ev.direction == "D->P":
+                e.reading = False
+                if e.abort_pending:
+                    self._end(key)
+            else:
+                self._end(key)
+        elif isinstance(ev, RequestAborted):
+            cur = self.entries.get(key)
+            if cur is not None and (cur.phase == "transferring" or cur.reading):
+                cur.abort_pending = True
+            else:
+                self._end(key)
+        elif isinstance(ev, HoldTimedOut):
+            self._end(key)
+        elif isinstance(ev, RequestPreempted):
+            cur = self.entries.get(key)
+            if cur is not None:
+                cur.finished = None
+                cur.phase = "waiting"
+        return self
+
+    def _open(self, key: Key) -> Entry:
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = Entry(key[1])
+            self.latest[key[0]] = max(self.latest.get(key[0], key[1]), key[1])
+        return e
+
+    def _end(self, key: Key) -> None:
+        self.entries.pop(key, None)
+        self.ended.add(key)
+
+
+_W, _H, _T, _A, _E = "waiting", "held", "transferring", "absent", "ended"
+TABLE: dict[tuple[str, type], Callable[..., list[Event]]] = {
+    **{(p, Allocate): PrefillCore._allocate for p in (_A, _W)},
+    **{(p, Register): PrefillCore._register for p in (_A, _W, _H, _T, _E)},
+    **{(p, FinishPrefill): PrefillCore._finish for p in (_A, _W)},
+    (_T, TransferDone): PrefillCore._transfer_done,
+    **{(p, Abort): PrefillCore._abort for p in (_A, _W, _H, _T, _E)},
+    **{(p, Preempt): PrefillCore._preempt for p in (_A, _W)},
+    **{(p, Reissue): PrefillCore._reissue for p in (_A, _W, _H, _T, _E)},
+    **{(p, PullReadDone): PrefillCore._pull_read_done for p in (_A, _W, _H, _E)},
+    **{(p, DecideReuse): PrefillCore._decide_reuse for p in (_A, _W)},
+    **{(p, StartReuseRead): PrefillCore._start_read for p in (_A, _W)},
+    **{(p, ReuseReadDone): PrefillCore._read_done for p in (_A, _W)},
+    **{(p, Release_): PrefillCore._release for p in (_A, _W, _H, _E)},
+}
