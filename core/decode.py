@@ -7,10 +7,15 @@ Rules kept here:
   Duplicates are recorded and not counted; a notification from a stream that was never expected
   is the peer misbehaving (`PeerError`).
 - Pull: decode plans the READ itself (in its engine loop: the driver charges that time) once
-  prefill's metadata is relayed, and has the KV when the READ completes.
+  prefill's metadata is relayed, and has the KV when the READ completes. The metadata says when
+  prefill's hold on the blocks expires (`src_expires_at`); a READ that would not end `read_margin`
+  before it is never started (`KVLoadFailed`, the prompt is computed locally), since prefill frees
+  the blocks at expiry. Holds only move later, so a stale expiry errs on the safe side.
 - Blocks that a transfer may still write into are never freed: an abort while a push is in
   flight waits for the remaining notifications or the time-out. A KV wait that passes its
   deadline fails (`KVLoadFailed`) and the request falls back to computing its prompt locally.
+  Prefill never starts a WRITE it cannot finish before that deadline, so nothing lands after it.
+- A producer's failure report (`KVFailed`) that comes after the wait ended is stale: ignored.
 - When generation ends, decode frees the request's blocks, or, with bidirectional reuse, keeps
   them under a lease (fixed TTL or renewable) whose handle the router stores.
 """
@@ -61,6 +66,8 @@ class ExpectKV:
     mode: Literal["push", "pull"] = "push"
     src_blocks: tuple[int, ...] = ()  # pull: prefill's blocks, from the relayed metadata
     timeout: float = 30.0
+    src_expires_at: float | None = None  # pull: when prefill's hold on src_blocks expires
+    read_margin: float = 0.05  # pull: the longest the READ may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +236,17 @@ class DecodeCore(Machine[DecodeCommand]):
                     deadline=now + cmd.timeout,
                 ),
             ]
+        if cmd.src_expires_at is not None and now + cmd.read_margin >= cmd.src_expires_at:
+            return [
+                reserved,
+                KVLoadFailed(
+                    at=now,
+                    instance=self.instance,
+                    request=cmd.request,
+                    attempt=cmd.attempt,
+                    reason="prefill's hold expires before the read would end",
+                ),
+            ]
         plan = plan_transfer(
             cmd.src_layout, self.layout, cmd.src_blocks, cmd.blocks, cmd.num_tokens
         )
@@ -356,6 +374,9 @@ class DecodeCore(Machine[DecodeCommand]):
             out += self._free(now, key, "aborted; KV will not come")
         return out
 
+    def _stale_failure(self, cmd: KVFailed, now: float) -> list[Event]:
+        return []  # the wait already ended (KV received, timed out) or never began
+
     def _allocate(self, cmd: Allocate, now: float) -> list[Event]:
         return [
             BlocksReserved(
@@ -459,6 +480,7 @@ TABLE: dict[tuple[str, type], Callable[..., list[Event]]] = {
     **{(p, Notify): DecodeCore._notify for p in (_A, _W, _D, _X, _E)},
     **{(p, PullDone): DecodeCore._pull_done for p in (_W, _X)},
     **{(p, KVFailed): DecodeCore._kv_failed for p in (_W, _X)},
+    **{(p, KVFailed): DecodeCore._stale_failure for p in (_A, _D, _E)},
     **{(p, Allocate): DecodeCore._allocate for p in (_A, _W, _D)},
     **{(p, Abort): DecodeCore._abort for p in (_A, _W, _D, _X, _E)},
     (_D, Finish): DecodeCore._finish,

@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 
 from .errors import SchemaError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: RegistrationArrived.deadline, SessionStored.block_size
 
 Blocks = tuple[int, ...]
 Direction = Literal["P->D", "D->P"]
@@ -123,6 +123,7 @@ class RegistrationArrived(Event):
     dst_blocks: Blocks
     dst_tp: int
     dst_block_size: int
+    deadline: float | None = None  # decode gives up waiting at this time (its RegistrationSent)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -322,6 +323,7 @@ class SessionStored(Event):
     num_tokens: int
     block_hashes: tuple[str, ...]
     expires_at: float
+    block_size: int | None = None  # tokens per hashed block; None: the table's default
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,7 +11,8 @@ Rules kept here:
 - A read is refused when the lease is gone, or when it would end after the expiry:
   `now + duration + margin > expires_at`. Since an expiry only ever moves later, a read admitted
   by this rule finishes before the blocks can be freed even if no pin message reaches the owner.
-- Expiring or releasing frees exactly the lease's blocks, once (`BlocksFreed`).
+- Expiring or releasing frees exactly the lease's blocks, once (`BlocksFreed`, carrying the
+  attempt the blocks were granted under, so the owner's per-attempt books stay right).
 """
 
 from __future__ import annotations
@@ -274,7 +275,12 @@ class LeaseTable:
         return [
             end,
             BlocksFreed(
-                at=now, instance=self.instance, request=ls.request, blocks=ls.blocks, reason=why
+                at=now,
+                instance=self.instance,
+                request=ls.request,
+                attempt=ls.attempt,
+                blocks=ls.blocks,
+                reason=why,
             ),
         ]
 
@@ -292,6 +298,7 @@ class LeaseTable:
                 e.expires_at,
                 e.renewable,
                 e.purpose,
+                e.attempt,
             )
         elif isinstance(e, LeaseRenewed):
             self.leases[e.lease].expires_at = e.expires_at

@@ -1,8 +1,10 @@
-"""Which request owns which KV block on one instance.
+"""Which request (and which attempt of it) owns which KV block on one instance.
 
 Rules kept here:
-- A block is owned by at most one request. Reserving an owned block, or freeing a block nobody
-  owns, is a violation (double allocation, double free).
+- A block is owned by at most one request attempt. Reserving an owned block, or freeing a block
+  that attempt does not own, is a violation (double allocation, double free).
+- Ownership is per attempt: a re-issued request's new attempt never owns its old attempt's
+  blocks, so a late WRITE or free for the old attempt cannot pass as the new one's.
 - The ledger is folded from `BlocksReserved` / `BlocksFreed` events only, so the same code
   checks a live run, a simulated run and a replayed log.
 """
@@ -17,19 +19,30 @@ from .events import BlocksFreed, BlocksReserved
 @dataclass(slots=True)
 class Ledger:
     owner: dict[int, str] = field(default_factory=dict)
+    attempt_of: dict[int, int] = field(default_factory=dict)
     held: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def check_reserve(self, ev: BlocksReserved) -> list[str]:
         taken = [b for b in ev.blocks if b in self.owner]
+        dup = len(set(ev.blocks)) != len(ev.blocks)
+        out = []
         if taken:
             owners = sorted({self.owner[b] for b in taken})
-            return [f"blocks {taken[:8]} reserved for {ev.request} still owned by {owners}"]
-        return []
+            out.append(f"blocks {taken[:8]} reserved for {ev.request} still owned by {owners}")
+        if dup:
+            out.append(f"blocks {list(ev.blocks)[:8]} reserved for {ev.request} twice over")
+        return out
 
     def check_free(self, ev: BlocksFreed) -> list[str]:
-        bad = [b for b in ev.blocks if self.owner.get(b) != ev.request]
-        if bad:
-            return [f"blocks {bad[:8]} freed for {ev.request} but not owned by it (double free?)"]
+        bad = [
+            b
+            for b in ev.blocks
+            if self.owner.get(b) != ev.request or self.attempt_of.get(b) != ev.attempt
+        ]
+        if bad or len(set(ev.blocks)) != len(ev.blocks):
+            who = f"{ev.request}#{ev.attempt}"
+            shown = bad[:8] or list(ev.blocks)[:8]
+            return [f"blocks {shown} freed for {who} but not owned by it (double free?)"]
         return []
 
     def apply(self, ev: BlocksReserved | BlocksFreed) -> None:
@@ -37,12 +50,13 @@ class Ledger:
         if isinstance(ev, BlocksReserved):
             for b in ev.blocks:
                 self.owner[b] = ev.request
+                self.attempt_of[b] = ev.attempt
             self.held[ev.request] = self.held.get(ev.request, ()) + ev.blocks
         else:
-            freed = set(ev.blocks)
-            for b in ev.blocks:
-                if self.owner.get(b) == ev.request:
-                    del self.owner[b]
+            freed = {b for b in ev.blocks if self.owner.get(b) == ev.request}
+            for b in freed:
+                del self.owner[b]
+                self.attempt_of.pop(b, None)
             rest = tuple(b for b in self.held.get(ev.request, ()) if b not in freed)
             if rest:
                 self.held[ev.request] = rest
@@ -52,5 +66,8 @@ class Ledger:
     def blocks_of(self, request: str) -> tuple[int, ...]:
         return self.held.get(request, ())
 
-    def owns(self, request: str, blocks: tuple[int, ...]) -> bool:
-        return all(self.owner.get(b) == request for b in blocks)
+    def owns(self, request: str, blocks: tuple[int, ...], attempt: int | None = None) -> bool:
+        return all(
+            self.owner.get(b) == request and (attempt is None or self.attempt_of.get(b) == attempt)
+            for b in blocks
+        )

@@ -35,6 +35,18 @@ class KVLayout:
     num_kv_heads: int
     head_bytes: int  # bytes of one head's K (or V) for one token: head_dim * dtype size
 
+    def __post_init__(self) -> None:
+        for name in ("block_size", "tp", "num_layers", "num_kv_heads", "head_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        # heads split evenly over ranks, or ranks evenly over heads (replication): otherwise
+        # some head would belong to no rank and the fan-out could not place it
+        small, large = sorted((self.tp, self.num_kv_heads))
+        if large % small:
+            raise ValueError(
+                f"{self.num_kv_heads} KV heads do not split evenly over {self.tp} TP ranks"
+            )
+
     def heads_of(self, rank: int) -> range:
         if self.tp <= self.num_kv_heads:
             per = self.num_kv_heads // self.tp

@@ -3,12 +3,24 @@
 Push (registration and rendezvous). Decode's registration and prefill's own finish arrive in
 either order; the second one matches them and plans the WRITE. Rules kept:
 - Matching is by (request id, attempt). A re-issued request gets a new attempt; anything that
-  still arrives for an older attempt is dropped, never matched.
+  still arrives for an older attempt is dropped, never matched. The new attempt's registration
+  may arrive before prefill hears of the re-issue: it is kept, and the re-issue ends only the
+  older attempts.
+- A WRITE starts only while decode still waits for it. A registration carries decode's KV wait
+  deadline; when `now + write_margin >= deadline` it is dropped (`RegistrationDropped`), never
+  matched, because decode frees its blocks once the wait times out. `write_margin` is the
+  longest a WRITE may take, so a WRITE this rule admits lands before decode gives up.
+- A registration that cannot be planned (too few blocks, another model) is dropped and recorded,
+  not raised: the finished request stays held for another registration, the hold time-out or an
+  abort, so a misbehaving peer never strands prefill's blocks.
 - Prefill holds a finished request's blocks until the WRITE completes or fails, until the request
   is aborted, or until `hold_timeout` passes with no registration. Blocks under an in-flight
   WRITE are never freed: an abort during a transfer frees them when the transfer ends.
 - A registration for a request that already ended is dropped (and recorded), never held.
 - Every matched transfer ends exactly once: `TransferCompleted` or `TransferFailed`.
+- Blocks a D->P reuse read still writes into are never freed either: an abort or a re-issue
+  during the read frees them when it ends; finishing, preempting, releasing or starting a second
+  read meanwhile is a `ProtocolError`.
 
 Pull. A finished prefill's blocks go under a renewable lease (`pull_hold`, vLLM's
 `kv_lease_duration`, 30 s); decode's read-done releases it, heartbeats extend it, and expiry
@@ -70,6 +82,7 @@ class Register:
     decode: str
     dst_blocks: tuple[int, ...]
     dst_layout: KVLayout
+    deadline: float | None = None  # decode's KV wait deadline (`RegistrationSent.deadline`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,14 +215,22 @@ Key = tuple[str, int]
 class PrefillCore(Machine[PrefillCommand]):
     name = "prefill"
 
-    def __init__(self, instance: str, layout: KVLayout, hold_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        instance: str,
+        layout: KVLayout,
+        hold_timeout: float = 30.0,
+        write_margin: float = 0.0,
+    ) -> None:
         super().__init__(instance)
         self.layout = layout
         self.hold_timeout = hold_timeout
+        self.write_margin = write_margin
         self.ledger = Ledger()
         self.leases = LeaseTable(instance)
         self.entries: dict[Key, Entry] = {}
         self.latest: dict[str, int] = {}  # newest attempt seen per request
+        self.reissued: dict[str, int] = {}  # attempt of the last re-issue per request
         self.ended: set[Key] = set()
 
     # helpers ------------------------------------------------------------------------------------
@@ -278,6 +299,25 @@ class PrefillCore(Machine[PrefillCommand]):
             ),
         ]
 
+    def _late(self, now: float, reg: RegistrationArrived | Register) -> bool:
+        return reg.deadline is not None and now + self.write_margin >= reg.deadline
+
+    def _dropped(self, now: float, request: str, attempt: int, reason: str) -> Event:
+        return RegistrationDropped(
+            at=now, instance=self.instance, request=request, attempt=attempt, reason=reason
+        )
+
+    def _match(
+        self, now: float, reg: RegistrationArrived, fin: PrefillFinished, order: str
+    ) -> list[Event]:
+        req = fin.request or ""
+        if self._late(now, reg):
+            return [self._dropped(now, req, fin.attempt, "decode's KV deadline passed")]
+        try:
+            return self._plan_push(now, reg, fin, order)
+        except PeerError as exc:
+            return [self._dropped(now, req, fin.attempt, f"peer error: {exc}")]
+
     # decide -------------------------------------------------------------------------------------
     def decide(self, cmd: PrefillCommand, now: float) -> list[Event]:
         if isinstance(cmd, Tick):
@@ -322,16 +362,10 @@ class PrefillCore(Machine[PrefillCommand]):
         e = self.entries.get((cmd.request, cmd.attempt))
         if stale is None and e is not None and e.registration is not None:
             stale = "duplicate registration"
+        if stale is None and self._late(now, cmd):
+            stale = "decode's KV deadline passed"
         if stale is not None:
-            return [
-                RegistrationDropped(
-                    at=now,
-                    instance=self.instance,
-                    request=cmd.request,
-                    attempt=cmd.attempt,
-                    reason=stale,
-                )
-            ]
+            return [self._dropped(now, cmd.request, cmd.attempt, stale)]
         if cmd.dst_layout.num_layers != self.layout.num_layers:
             raise PeerError(
                 f"{cmd.decode} registered a cache of {cmd.dst_layout.num_layers} "
@@ -346,15 +380,18 @@ class PrefillCore(Machine[PrefillCommand]):
             dst_blocks=cmd.dst_blocks,
             dst_tp=cmd.dst_layout.tp,
             dst_block_size=cmd.dst_layout.block_size,
+            deadline=cmd.deadline,
         )
         if e is not None and e.phase == "held":
             assert e.finished is not None
-            return [arrived, *self._plan_push(now, arrived, e.finished, "prefill_first")]
+            return [arrived, *self._match(now, arrived, e.finished, "prefill_first")]
         return [arrived]
 
     def _finish(self, cmd: FinishPrefill, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
         e = self.entries.get(key)
+        if e is not None and e.reading:
+            raise ProtocolError(self.name, "reading", "FinishPrefill", "a reuse read is in flight")
         src = e.blocks if e else ()
         fin = PrefillFinished(
             at=now,
@@ -377,7 +414,7 @@ class PrefillCore(Machine[PrefillCommand]):
             )
             return [fin, *self.leases.decide(grant, now)]
         if e is not None and e.registration is not None:
-            return [fin, *self._plan_push(now, e.registration, fin, "registration_first")]
+            return [fin, *self._match(now, e.registration, fin, "registration_first")]
         return [fin]
 
     def _transfer_done(self, cmd: TransferDone, now: float) -> list[Event]:
@@ -430,8 +467,10 @@ class PrefillCore(Machine[PrefillCommand]):
         ]
 
     def _reissue(self, cmd: Reissue, now: float) -> list[Event]:
-        last = self.latest.get(cmd.request, -1)
-        if cmd.attempt <= last:
+        # the new attempt may already be known (its registration came first); it must not be
+        # older than anything seen, nor re-issued twice
+        last = max(self.latest.get(cmd.request, -1), self.reissued.get(cmd.request, -1) + 1)
+        if cmd.attempt < last:
             raise ProtocolError(
                 self.name, f"attempt {last}", "Reissue", f"attempt {cmd.attempt} is not newer"
             )
@@ -441,7 +480,8 @@ class PrefillCore(Machine[PrefillCommand]):
             )
         ]
         for key, e in self.entries.items():
-            if key[0] == cmd.request and e.phase != "transferring" and not e.reading:
+            older = key[0] == cmd.request and key[1] < cmd.attempt
+            if older and e.phase != "transferring" and not e.reading:
                 out += self._free(now, key, "re-issued")
         return out
 
@@ -468,6 +508,8 @@ class PrefillCore(Machine[PrefillCommand]):
 
     def _start_read(self, cmd: StartReuseRead, now: float) -> list[Event]:
         e = self.entries.get((cmd.request, cmd.attempt))
+        if e is not None and e.reading:
+            raise ProtocolError(self.name, "reading", "StartReuseRead", "a read is in flight")
         dst = e.blocks if e else ()
         plan = plan_transfer(cmd.src_layout, self.layout, cmd.src_blocks, dst, cmd.num_tokens)
         return [
@@ -521,6 +563,9 @@ class PrefillCore(Machine[PrefillCommand]):
         return [done]
 
     def _release(self, cmd: Release_, now: float) -> list[Event]:
+        e = self.entries.get((cmd.request, cmd.attempt))
+        if e is not None and e.reading:
+            raise ProtocolError(self.name, "reading", "Release_", "a reuse read is in flight")
         return self._free(now, (cmd.request, cmd.attempt), cmd.reason)
 
     # apply --------------------------------------------------------------------------------------
@@ -535,9 +580,14 @@ class PrefillCore(Machine[PrefillCommand]):
         key = (req, attempt)
         if isinstance(ev, RequestReissued):
             for k, e in list(self.entries.items()):
-                if k[0] == req and e.phase != "transferring" and not e.reading:
+                if k[0] != req or k[1] >= ev.attempt or e.phase == "transferring":
+                    continue  # a WRITE in flight frees its blocks when it ends
+                if e.reading:
+                    e.abort_pending = True  # freed when the read ends
+                else:
                     self._end(k)
-            self.latest[req] = ev.attempt
+            self.latest[req] = max(self.latest.get(req, ev.attempt), ev.attempt)
+            self.reissued[req] = ev.attempt
             return self
         if isinstance(ev, (BlocksReserved, BlocksFreed)):
             self.ledger.apply(ev)
@@ -551,6 +601,10 @@ class PrefillCore(Machine[PrefillCommand]):
             return self
         if isinstance(ev, RegistrationArrived):
             self._open(key).registration = ev
+        elif isinstance(ev, RegistrationDropped):
+            cur = self.entries.get(key)
+            if cur is not None and cur.phase == "held":
+                cur.registration = None  # it could not be matched: wait for another one
         elif isinstance(ev, PrefillFinished):
             e = self._open(key)
             e.finished = ev
@@ -607,5 +661,6 @@ TABLE: dict[tuple[str, type], Callable[..., list[Event]]] = {
     **{(p, DecideReuse): PrefillCore._decide_reuse for p in (_A, _W)},
     **{(p, StartReuseRead): PrefillCore._start_read for p in (_A, _W)},
     **{(p, ReuseReadDone): PrefillCore._read_done for p in (_A, _W)},
-    **{(p, Release_): PrefillCore._release for p in (_A, _W, _H, _E)},
+    # a held request's blocks wait for a WRITE: end it with Abort (or the hold time-out)
+    **{(p, Release_): PrefillCore._release for p in (_A, _W, _E)},
 }

@@ -6,11 +6,12 @@ shows up as a violation here instead of hiding behind itself.
 
 Invariants (each violation names the rule, the event and why):
 - `double-allocation`: a block reserved while another request owns it.
-- `double-free`: a block freed that the request does not own.
-- `foreign-blocks`: a transfer planned into (or out of) blocks not reserved for that request on
-  that instance.
+- `double-free`: a block freed that the request (that attempt of it) does not own.
+- `foreign-blocks`: a transfer planned into (or out of) blocks not reserved for that attempt of
+  the request on that instance, or a lease granted over blocks the request does not own.
 - `dead-lease-read`: a read planned from, or pinned on, a lease that expired or was released,
-  or a lease that ended while a read from it was still in flight.
+  or a lease that ended while a read from it was still in flight (a D->P reuse read from
+  decode's retained lease, or a pull READ from prefill's hold lease).
 - `transfer-outcome`: a transfer that ends twice, or ends without having been planned.
 - `early-receive`: KV declared received before every expected notification arrived.
 - at the end of a run that is known to be quiescent (`final=True`): `leak` (blocks still owned
@@ -63,7 +64,8 @@ class ReplayState:
     leases: dict[tuple[str, str], LeaseGranted] = field(default_factory=dict)  # live leases
     ended_leases: set[tuple[str, str]] = field(default_factory=set)
     reading_from: dict[tuple[str, str], set[tuple[str, int]]] = field(default_factory=dict)
-    read_lease: dict[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
+    # (request, attempt, direction) of a read in flight -> the lease it reads from
+    read_lease: dict[tuple[str, int, str], tuple[str, str]] = field(default_factory=dict)
     reuse_lease: dict[str, str] = field(default_factory=dict)  # request -> lease it reads
     planned: dict[tuple[str, int, str], int] = field(default_factory=dict)  # -> outcomes seen
     expected: dict[tuple[str, str, int], int] = field(default_factory=dict)
@@ -106,6 +108,8 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
             bad("double-free", m)
         state.ledger(ev.instance).apply(ev)
     elif isinstance(ev, LeaseGranted):
+        if not state.ledger(ev.instance).owns(req, ev.blocks, ev.attempt):
+            bad("foreign-blocks", f"lease {ev.lease} granted over blocks {req} does not own")
         state.leases[(ev.instance, ev.lease)] = ev
     elif isinstance(ev, (LeaseExpired, LeaseReleased)):
         key = (ev.instance, ev.lease)
@@ -128,14 +132,29 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
         if key3 in state.planned:
             bad("transfer-outcome", f"transfer {key3} planned twice")
         state.planned[key3] = 0
-        if not state.ledger(ev.dst).owns(req, ev.dst_blocks):
+        if not state.ledger(ev.dst).owns(req, ev.dst_blocks, ev.attempt):
             bad(
                 "foreign-blocks",
                 f"{ev.direction} into blocks {ev.dst_blocks[:8]} of {ev.dst} "
-                f"not reserved for {req}",
+                f"not reserved for {req}#{ev.attempt}",
             )
-        if ev.direction == "P->D" and not state.ledger(ev.src).owns(req, ev.src_blocks):
-            bad("foreign-blocks", f"source blocks {ev.src_blocks[:8]} on {ev.src} are not {req}'s")
+        if ev.direction == "P->D":
+            if not state.ledger(ev.src).owns(req, ev.src_blocks, ev.attempt):
+                bad(
+                    "foreign-blocks",
+                    f"source blocks {ev.src_blocks[:8]} on {ev.src} are not {req}#{ev.attempt}'s",
+                )
+            elif ev.instance == ev.dst:  # a pull: decode reads from prefill's hold
+                for lkey, g in state.leases.items():
+                    if (
+                        lkey[0] == ev.src
+                        and g.request == req
+                        and g.attempt == ev.attempt
+                        and set(ev.src_blocks) <= set(g.blocks)
+                    ):
+                        state.reading_from.setdefault(lkey, set()).add((req, ev.attempt))
+                        state.read_lease[key3] = lkey
+                        break
         if ev.direction == "D->P":
             lease = state.reuse_lease.get(req)
             lkey = (ev.src, lease or "")
@@ -146,7 +165,7 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
                 if not set(ev.src_blocks) <= set(held.blocks):
                     bad("foreign-blocks", f"read of blocks outside lease {lease}")
                 state.reading_from.setdefault(lkey, set()).add((req, ev.attempt))
-                state.read_lease[(req, ev.attempt)] = lkey
+                state.read_lease[key3] = lkey
     elif isinstance(ev, (TransferCompleted, TransferFailed)):
         key3 = (req, ev.attempt, ev.direction)
         seen = state.planned.get(key3)
@@ -155,10 +174,9 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
         elif seen >= 1:
             bad("transfer-outcome", f"transfer {key3} ended twice")
         state.planned[key3] = (seen or 0) + 1
-        if ev.direction == "D->P":
-            if (req, ev.attempt) in state.read_lease:
-                lkey = state.read_lease.pop((req, ev.attempt))
-                state.reading_from.get(lkey, set()).discard((req, ev.attempt))
+        if key3 in state.read_lease:
+            lkey = state.read_lease.pop(key3)
+            state.reading_from.get(lkey, set()).discard((req, ev.attempt))
     elif isinstance(ev, RegistrationSent):
         state.expected[(ev.instance, req, ev.attempt)] = ev.expected_notifications
         state.notified[(ev.instance, req, ev.attempt)] = set()

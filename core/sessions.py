@@ -7,6 +7,8 @@ Rules kept here:
 - `Store` replaces any handle still there (the older one is dropped: the driver tells its decode
   to release the lease). Handles expire with their lease; heartbeat renewals move the expiry.
 - Only metadata lives here (never KV), taken from decode's responses, never by polling.
+- A handle keeps the block size its hashes were taken with (recorded in `SessionStored`), so a
+  rebuilt table compares prefixes at the right granularity.
 - The table is a fold of `Session*` events, so a restarted router rebuilds it from the store.
 """
 
@@ -119,6 +121,7 @@ class SessionTable(Machine[SessionCommand]):
                     num_tokens=h.num_tokens,
                     block_hashes=h.block_hashes,
                     expires_at=h.expires_at,
+                    block_size=h.block_size,
                 )
             )
             return out
@@ -192,8 +195,9 @@ class SessionTable(Machine[SessionCommand]):
 
     def apply(self, ev: Event) -> SessionTable:
         if isinstance(ev, SessionStored):
+            bs = ev.block_size if ev.block_size is not None else self.block_size
             self.handles[(ev.tenant, ev.conversation)] = RetainedHandle(
-                ev.decode, ev.lease, ev.num_tokens, self.block_size, ev.block_hashes, ev.expires_at
+                ev.decode, ev.lease, ev.num_tokens, bs, ev.block_hashes, ev.expires_at
             )
         elif isinstance(ev, (SessionTaken, SessionDropped)):
             h = self.handles.get((ev.tenant, ev.conversation))

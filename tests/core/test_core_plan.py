@@ -1,0 +1,199 @@
+"""Transfer planning: runs across block sizes, fragmentation, TP fan-out, descriptor and bytes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvplane.core.errors import PeerError
+from kvplane.core.plan import KVLayout, Run, Stream, fan_out, merge_runs, plan_transfer
+
+
+def layout(bs: int = 16, tp: int = 1, heads: int = 8, layers: int = 4, hb: int = 256) -> KVLayout:
+    return KVLayout(block_size=bs, tp=tp, num_layers=layers, num_kv_heads=heads, head_bytes=hb)
+
+
+# --- runs -----------------------------------------------------------------------------------------
+
+
+def test_adjacent_blocks_merge_into_one_run() -> None:
+    assert merge_runs((4, 5, 6), 16, (10, 11, 12), 16, 48) == (Run(64, 160, 48),)
+
+
+def test_runs_merge_across_different_block_sizes() -> None:
+    # two adjacent 16-token producer blocks fill one 32-token consumer block
+    assert merge_runs((0, 1), 16, (3,), 32, 32) == (Run(0, 96, 32),)
+    # and the other way round
+    assert merge_runs((3,), 32, (0, 1), 16, 32) == (Run(96, 0, 32),)
+    # a gap on the producer side splits the run at the producer's block boundary
+    assert merge_runs((0, 2), 16, (3,), 32, 32) == (Run(0, 96, 16), Run(32, 112, 16))
+    # a gap on the consumer side splits it at the consumer's block boundary
+    assert merge_runs((0, 1, 2, 3), 16, (5, 9), 32, 64) == (Run(0, 160, 32), Run(32, 288, 32))
+
+
+def test_fragmented_pool_gives_one_run_per_fragment() -> None:
+    runs = merge_runs((9, 3, 4, 7), 16, (0, 1, 2, 3), 16, 64)
+    assert runs == (Run(144, 0, 16), Run(48, 16, 32), Run(112, 48, 16))
+
+
+def test_partial_last_block_and_zero_tokens() -> None:
+    assert merge_runs((2, 3), 16, (7,), 32, 20) == (Run(32, 224, 20),)
+    assert merge_runs((), 16, (), 32, 0) == ()
+
+
+def test_too_few_blocks_is_the_peer_misbehaving() -> None:
+    with pytest.raises(PeerError, match="source"):
+        merge_runs((1,), 16, (1, 2), 16, 17)
+    with pytest.raises(PeerError, match="destination"):
+        merge_runs((1, 2), 16, (1,), 16, 17)
+    with pytest.raises(PeerError):
+        plan_transfer(layout(), layout(bs=32), (1, 2, 3), (4,), 40)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    src_bs=st.sampled_from([1, 4, 16, 32]),
+    dst_bs=st.sampled_from([1, 8, 16, 64]),
+    n=st.integers(0, 200),
+    data=st.data(),
+)
+def test_runs_cover_every_token_exactly_once(
+    src_bs: int, dst_bs: int, n: int, data: st.DataObject
+) -> None:
+    def pool(bs: int) -> tuple[int, ...]:
+        k = -(-n // bs)
+        ids = data.draw(st.permutations(range(k + 6)))
+        return tuple(ids[:k])
+
+    src, dst = pool(src_bs), pool(dst_bs)
+    runs = merge_runs(src, src_bs, dst, dst_bs, n)
+    pairs = [(r.src_slot + i, r.dst_slot + i) for r in runs for i in range(r.tokens)]
+    want = [
+        (src[t // src_bs] * src_bs + t % src_bs, dst[t // dst_bs] * dst_bs + t % dst_bs)
+        for t in range(n)
+    ]
+    assert pairs == want
+    # maximal: two consecutive runs are never contiguous on both sides
+    for a, b in itertools.pairwise(runs):
+        assert not (a.src_slot + a.tokens == b.src_slot and a.dst_slot + a.tokens == b.dst_slot)
+    assert all(r.tokens > 0 for r in runs)
+
+
+# --- fan-out over tensor parallelism --------------------------------------------------------------
+
+
+def test_equal_tp_is_rank_to_rank() -> None:
+    assert fan_out(layout(tp=2), layout(tp=2)) == (Stream(0, 0, 4), Stream(1, 1, 4))
+
+
+def test_consumer_with_more_ranks_reads_slices_of_one_producer() -> None:
+    assert fan_out(layout(tp=2), layout(tp=4)) == (
+        Stream(0, 0, 2), Stream(0, 1, 2), Stream(1, 2, 2), Stream(1, 3, 2)
+    )
+
+
+def test_consumer_with_fewer_ranks_gathers_from_several_producers() -> None:
+    assert fan_out(layout(tp=4), layout(tp=2)) == (
+        Stream(0, 0, 2), Stream(1, 0, 2), Stream(2, 1, 2), Stream(3, 1, 2)
+    )
+    plan = plan_transfer(layout(tp=4), layout(tp=2), (0,), (0,), 16)
+    assert plan.notifications_for(0) == 2 and plan.notifications_for(1) == 2
+    assert plan.expected == {(0, 0), (1, 0), (2, 1), (3, 1)}
+
+
+def test_more_ranks_than_kv_heads_replicates_heads() -> None:
+    two = 2
+    # consumer replicates: ranks 0,1 hold head 0; ranks 2,3 hold head 1
+    assert fan_out(layout(heads=two, tp=1), layout(heads=two, tp=4)) == (
+        Stream(0, 0, 1), Stream(0, 1, 1), Stream(0, 2, 1), Stream(0, 3, 1)
+    )
+    # producer replicates: the lowest rank holding a head writes it
+    assert fan_out(layout(heads=two, tp=4), layout(heads=two, tp=1)) == (
+        Stream(0, 0, 1), Stream(2, 0, 1)
+    )
+    assert fan_out(layout(heads=two, tp=4), layout(heads=two, tp=4)) == (
+        Stream(0, 0, 1), Stream(0, 1, 1), Stream(2, 2, 1), Stream(2, 3, 1)
+    )
+    assert fan_out(layout(heads=1, tp=8), layout(heads=1, tp=2)) == (
+        Stream(0, 0, 1), Stream(0, 1, 1)
+    )
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    heads=st.sampled_from([1, 2, 4, 8]),
+    src_tp=st.sampled_from([1, 2, 4, 8, 16]),
+    dst_tp=st.sampled_from([1, 2, 4, 8, 16]),
+)
+def test_every_consumer_rank_gets_each_of_its_heads_once(
+    heads: int, src_tp: int, dst_tp: int
+) -> None:
+    src, dst = layout(heads=heads, tp=src_tp), layout(heads=heads, tp=dst_tp)
+    streams = fan_out(src, dst)
+    assert len({(s.src_rank, s.dst_rank) for s in streams}) == len(streams)
+    for d in range(dst_tp):
+        assert sum(s.heads for s in streams if s.dst_rank == d) == len(dst.heads_of(d))
+    for s in streams:
+        assert 0 <= s.src_rank < src_tp and s.heads > 0
+    # every rank's heads are in range and all heads are covered on both sides
+    for lay in (src, dst):
+        seen = {h for r in range(lay.tp) for h in lay.heads_of(r)}
+        assert seen == set(range(heads))
+
+
+def test_kv_heads_that_do_not_split_evenly_are_refused() -> None:
+    with pytest.raises(ValueError, match="split"):
+        layout(heads=8, tp=3)
+    with pytest.raises(ValueError, match="split"):
+        layout(heads=2, tp=3)
+    with pytest.raises(ValueError):
+        layout(bs=0)
+
+
+def test_layouts_that_disagree_on_the_model_are_refused() -> None:
+    with pytest.raises(PeerError, match="KV heads"):
+        fan_out(layout(heads=8), layout(heads=4))
+    with pytest.raises(PeerError, match="layers"):
+        plan_transfer(layout(layers=4), layout(layers=8), (0,), (0,), 16)
+    with pytest.raises(PeerError, match="layers or head size"):
+        plan_transfer(layout(hb=256), layout(hb=128), (0,), (0,), 16)
+
+
+# --- descriptors and bytes --------------------------------------------------------------------------
+
+
+def test_descriptor_and_byte_counts_equal_tp() -> None:
+    src, dst = layout(tp=2, layers=4, heads=8, hb=256), layout(tp=2, layers=4, heads=8, hb=256)
+    plan = plan_transfer(src, dst, (0, 1, 5), (3, 4, 5), 40)
+    assert plan.runs == (Run(0, 48, 32), Run(80, 80, 8))
+    # per stream: runs x layers x (K, V); heads of a rank move in one descriptor
+    assert plan.descriptors == 2 * (2 * 4 * 2)
+    # every token of every head of every layer, K and V, exactly once
+    assert plan.bytes == 40 * 4 * 2 * 8 * 256
+    assert plan.num_tokens == 40
+    assert plan.expected == {(0, 0), (1, 1)}
+
+
+def test_descriptor_and_byte_counts_unequal_tp() -> None:
+    src, dst = layout(tp=1, heads=8), layout(tp=4, heads=8)
+    plan = plan_transfer(src, dst, (0, 1), (7, 2), 32)
+    assert len(plan.runs) == 2
+    # each stream moves a slice of 2 heads, one descriptor per head
+    assert plan.descriptors == 4 * (2 * 4 * 2 * 2)
+    assert plan.bytes == 32 * 4 * 2 * 8 * 256
+
+
+def test_replicated_consumer_heads_are_moved_to_every_replica() -> None:
+    src, dst = layout(tp=1, heads=2), layout(tp=4, heads=2)
+    plan = plan_transfer(src, dst, (0,), (0,), 16)
+    assert len(plan.streams) == 4
+    assert plan.bytes == 16 * 4 * 2 * 4 * 256  # four consumer ranks, one head each
+    assert plan.descriptors == 4 * (1 * 4 * 2 * 1)
+
+
+def test_blocks_for() -> None:
+    assert layout(bs=16).blocks_for(0) == 0
+    assert layout(bs=16).blocks_for(16) == 1
+    assert layout(bs=16).blocks_for(17) == 2
