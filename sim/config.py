@@ -1,0 +1,752 @@
+"""Scenarios: the typed, validated description of one simulated experiment and its sweep.
+
+Rules kept here:
+- A scenario is YAML validated into frozen pydantic models (`extra="forbid"`, help text on every
+  field). Building a model does no I/O; `load_scenario` and `scenario_from_data` read files,
+  resolve profile names and turn every mistake into a `ScenarioError` that names the file, the
+  dotted field path (with its line) and what was expected. YAML syntax errors carry their line.
+- Profiles are given by name (a bundled profile, or a path relative to the scenario file) or
+  inline; after loading, `Scenario.profiles` always holds validated profile objects, so a
+  scenario dumped with `model_dump()` is self-contained and can be recorded next to a run.
+- Policies are picked by an explicit `kind` field (workload, lease), never by registration.
+- `Scenario.points()` expands the sweep into concrete points, outermost axis first: mode,
+  bidirectional, qps, input length, output length, iteration. Each point carries a concrete
+  scenario (sweep emptied) and a seed that depends on the workload axes and the iteration but
+  not on mode or bidirectional, so push and pull see the same requests (common random numbers).
+- Every assumption the published articles leave open is written down in `assumptions:`; the
+  figures a run should be compared with live in `published:`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .profiles import (
+    HardwareProfile,
+    ModelProfile,
+    ScenarioError,
+    _Positions,
+    _short,
+    load_profile,
+    profile_from_data,
+    read_yaml,
+    scenario_error_from_validation,
+)
+
+__all__ = [
+    "Assumption",
+    "Cluster",
+    "ConnectorSettings",
+    "EngineSettings",
+    "FixedLease",
+    "LengthSpec",
+    "MultiTurnWorkload",
+    "Point",
+    "PoissonWorkload",
+    "PrefixCaching",
+    "Profiles",
+    "Published",
+    "PublishedFigure",
+    "RenewableLease",
+    "Scenario",
+    "ScenarioError",
+    "Sweep",
+    "TraceWorkload",
+    "Workload",
+    "bundled_scenario_names",
+    "load_scenario",
+    "scenario_from_data",
+]
+
+Mode = Literal["push", "pull"]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --- cluster and engine -----------------------------------------------------------------------------
+
+
+class Cluster(_Config):
+    """How many prefill and decode instances (xPyD) and how each is parallelised."""
+
+    prefill_instances: int = Field(default=1, ge=1, description="number of prefill instances (x)")
+    decode_instances: int = Field(default=1, ge=1, description="number of decode instances (y)")
+    prefill_tp: int | None = Field(
+        default=None, ge=1, description="TP size of a prefill instance (default: hardware tp_size)"
+    )
+    decode_tp: int | None = Field(
+        default=None, ge=1, description="TP size of a decode instance (default: hardware tp_size)"
+    )
+    colocated: bool = Field(
+        default=False,
+        description="prefill and decode share a node: KV moves over NVLink, not the network",
+    )
+    routing: Literal["round_robin", "least_loaded"] = Field(
+        default="round_robin", description="how the router picks instances among several"
+    )
+
+
+class EngineSettings(_Config):
+    """vLLM engine settings, the same on prefill and decode (as in the published runs)."""
+
+    max_num_seqs: int = Field(default=8, ge=1, description="running requests per engine step")
+    max_num_batched_tokens: int = Field(
+        default=8192, ge=1, description="token budget of one engine step"
+    )
+    chunked_prefill: bool = Field(
+        default=True, description="split long prompts into chunks of at most the token budget"
+    )
+    block_size: int = Field(default=16, ge=1, description="tokens per KV block")
+    max_model_len: int = Field(default=32768, ge=1, description="longest prompt + output allowed")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="share of device memory vLLM may use"
+    )
+    activation_reserve_bytes: float = Field(
+        default=4.0e9, ge=0.0,
+        description="per-device memory kept for activations, CUDA graphs and communication "
+        "buffers (vLLM measures it in its profiling run) [B]",
+    )
+
+    @model_validator(mode="after")
+    def _budget(self) -> EngineSettings:
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked_prefill, max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len}), as vLLM requires"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        return self
+
+
+# --- connector ----------------------------------------------------------------------------------
+
+
+class PrefixCaching(_Config):
+    """Automatic prefix caching, per side."""
+
+    prefill: bool = Field(default=True, description="prefix caching on prefill instances")
+    decode: bool = Field(default=False, description="prefix caching on decode instances")
+
+
+class FixedLease(_Config):
+    """Retained decode blocks live `decoder_kv_blocks_ttl` seconds, never renewed (published)."""
+
+    kind: Literal["fixed"] = Field(default="fixed", description="lease policy tag")
+
+
+class RenewableLease(_Config):
+    """Retained decode blocks stay while heartbeats arrive (the authors' named next step)."""
+
+    kind: Literal["renewable"] = Field(description="lease policy tag")
+    heartbeat_interval_s: float = Field(
+        default=5.0, gt=0.0, description="how often the holder renews the lease [s]"
+    )
+    extension_s: float = Field(
+        default=20.0, gt=0.0, description="how far one heartbeat pushes the expiry [s]"
+    )
+    heartbeat_from: Literal["router", "device"] = Field(
+        default="router", description="who sends heartbeats while the conversation is active"
+    )
+    idle_after_s: float = Field(
+        default=60.0, gt=0.0,
+        description="the heartbeat stops once a conversation has been idle this long [s]",
+    )
+
+    @model_validator(mode="after")
+    def _renews_in_time(self) -> RenewableLease:
+        if self.extension_s <= self.heartbeat_interval_s:
+            raise ValueError("extension_s must exceed heartbeat_interval_s, or leases lapse")
+        return self
+
+
+Lease = Annotated[FixedLease | RenewableLease, Field(discriminator="kind")]
+
+
+class ConnectorSettings(_Config):
+    """The KV connector: transfer mode, bidirectional reuse, leases, prefix caching."""
+
+    mode: Mode = Field(default="push", description="push (NixlPushConnector) or pull (stock)")
+    bidirectional: bool = Field(
+        default=False, description="bidirectional_kv_xfer: decode retains KV for prefill reuse"
+    )
+    decoder_kv_blocks_ttl: float = Field(
+        default=480.0, gt=0.0, description="how long decode retains a finished request's KV [s]"
+    )
+    lease: Lease = Field(default_factory=FixedLease, description="retention lease policy")
+    kv_recompute_threshold: int = Field(
+        default=64, ge=0,
+        description="prefill reads retained KV only if it supplies at least this many tokens",
+    )
+    prefix_caching: PrefixCaching = Field(
+        default_factory=PrefixCaching, description="automatic prefix caching per side"
+    )
+    pull_reader_thread: bool = Field(
+        default=False,
+        description="pull mode prepares and posts reads on a reader thread (vLLM PR #45211) "
+        "instead of inline in decode's engine loop",
+    )
+    handshake_at_start: bool = Field(
+        default=True,
+        description="instances have already met when the run starts (the published sweeps ran "
+        "many points on long-lived servers), so the one-time NIXL handshake, seconds for a "
+        "large pool, is not paid by the first request",
+    )
+    pull_hold_lease_s: float = Field(
+        default=30.0, gt=0.0,
+        description="kv_lease_duration: how long prefill holds blocks for a pulling decode [s]",
+    )
+    pull_hold_heartbeat_s: float = Field(
+        default=5.0, gt=0.0, description="decode's heartbeat that extends the prefill hold [s]"
+    )
+    pull_hold_extension_s: float = Field(
+        default=20.0, gt=0.0, description="how far one hold heartbeat extends the hold [s]"
+    )
+
+
+# --- workloads ------------------------------------------------------------------------------------
+
+
+class LengthSpec(_Config):
+    """A token-count distribution. A bare integer in YAML means a fixed length."""
+
+    mean: float = Field(ge=0.0, description="mean length [tokens]")
+    dist: Literal["fixed", "uniform", "exponential", "lognormal"] = Field(
+        default="fixed", description="distribution shape"
+    )
+    range_ratio: float = Field(
+        default=0.0, ge=0.0, lt=1.0,
+        description="uniform: lengths in [mean(1-r), mean(1+r)] (vllm bench --random-range-ratio)",
+    )
+    sigma: float = Field(default=0.5, gt=0.0, description="lognormal: sigma of the log")
+    min: int = Field(default=0, ge=0, description="lower clip [tokens]")
+    max: int | None = Field(default=None, ge=0, description="upper clip [tokens]")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_int(cls, data: Any) -> Any:
+        if isinstance(data, bool):
+            return data
+        if isinstance(data, (int, float)):
+            return {"mean": data}
+        return data
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LengthSpec:
+        if self.max is not None and self.max < self.min:
+            raise ValueError("max must be >= min")
+        return self
+
+    def upper_bound(self) -> float:
+        """The largest length this spec can produce (inf when unbounded)."""
+        if self.max is not None:
+            return float(self.max)
+        if self.dist == "fixed":
+            return max(self.mean, float(self.min))
+        if self.dist == "uniform":
+            return max(self.mean * (1.0 + self.range_ratio), float(self.min))
+        return float("inf")
+
+    def with_mean(self, mean: float) -> LengthSpec:
+        return self.model_copy(update={"mean": float(mean)})
+
+
+class PoissonWorkload(_Config):
+    """Open-loop arrivals at a rate, like `vllm bench serve` (random dataset)."""
+
+    kind: Literal["poisson"] = Field(description="workload tag")
+    qps: float = Field(default=1.0, gt=0.0, description="request rate [1/s] (sweep.qps overrides)")
+    input_len: LengthSpec = Field(
+        default_factory=lambda: LengthSpec(mean=1024), description="prompt tokens (sweep overrides)"
+    )
+    output_len: LengthSpec = Field(
+        default_factory=lambda: LengthSpec(mean=128), description="output tokens (sweep overrides)"
+    )
+    burstiness: float = Field(
+        default=1.0, gt=0.0,
+        description="gamma shape of inter-arrival times (1 = Poisson), as vllm bench --burstiness",
+    )
+    shared_prefix_fraction: float = Field(
+        default=0.0, ge=0.0, lt=1.0,
+        description="leading share of every prompt that is identical across requests (what "
+        "prefix caching on prefill can hit)",
+    )
+
+
+class MultiTurnWorkload(_Config):
+    """Conversations whose every turn resends the growing history (agentic multi-turn chat).
+
+    Turn k's prompt = turn k-1's prompt + its output + the new user message + tool output,
+    where tool output = tool_output_tokens + tool_output_fraction x (history so far).
+    """
+
+    kind: Literal["multi_turn"] = Field(description="workload tag")
+    conversation_rate: float = Field(
+        default=0.1, gt=0.0, description="new conversations per second (sweep.qps overrides)"
+    )
+    turns: LengthSpec = Field(
+        default_factory=lambda: LengthSpec(mean=5), description="turns per conversation"
+    )
+    first_prompt: LengthSpec = Field(
+        default_factory=lambda: LengthSpec(mean=1024),
+        description="prompt tokens of the first turn (sweep.input_lens overrides the mean)",
+    )
+    user_tokens: LengthSpec = Field(
+        default_factory=lambda: LengthSpec(mean=128), description="new user tokens per later turn"
+    )
+    tool_output_tokens: LengthSpec = Field(
+        default_factory=lambda: LengthSpec(mean=0), description="tool output tokens per later turn"
+    )
+    tool_output_fraction: float = Field(
+        default=0.0, ge=0.0,
+        description="extra tool output per turn as a share of the history so far (file reads, "
+        "search results that grow with the task)",
+    )
+    output_len: LengthSpec = Field(
+        default_factory=lambda: LengthSpec(mean=256),
+        description="output tokens per turn (sweep.output_lens overrides the mean)",
+    )
+    think_time_s: float = Field(
+        default=5.0, ge=0.0, description="mean pause between a turn's end and the next turn [s]"
+    )
+    think_time_dist: Literal["fixed", "exponential"] = Field(
+        default="exponential", description="shape of the think-time distribution"
+    )
+    shared_prefix_tokens: int = Field(
+        default=0, ge=0, description="system prompt shared by every conversation [tokens]"
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None, ge=1,
+        description="end a conversation before a prompt would exceed this (default: "
+        "engine.max_model_len minus the turn's output)",
+    )
+
+
+class TraceWorkload(_Config):
+    """Replay of a Mooncake-style JSONL trace: timestamp [ms], input_length, output_length,
+    hash_ids (one per `hash_block_tokens` prompt tokens)."""
+
+    kind: Literal["trace"] = Field(description="workload tag")
+    path: str = Field(description="trace file; relative paths are relative to the scenario file")
+    time_scale: float = Field(
+        default=1.0, gt=0.0, description="multiply every timestamp (0.5 = twice as fast)"
+    )
+    hash_block_tokens: int = Field(
+        default=512, ge=1, description="prompt tokens covered by one hash id (Mooncake: 512)"
+    )
+
+
+Workload = Annotated[
+    PoissonWorkload | MultiTurnWorkload | TraceWorkload, Field(discriminator="kind")
+]
+
+# Which sweep axes mean something for which workload kind.
+_AXES_FOR: dict[str, frozenset[str]] = {
+    "poisson": frozenset({"qps", "input_lens", "output_lens"}),
+    "multi_turn": frozenset({"qps", "input_lens", "output_lens"}),
+    "trace": frozenset(),
+}
+
+
+# --- sweep, assumptions, published figures -------------------------------------------------------
+
+
+class Sweep(_Config):
+    """Axes to sweep; an axis left out keeps the scenario's own value."""
+
+    qps: list[Annotated[float, Field(gt=0.0)]] | None = Field(
+        default=None, description="request rates (multi_turn: new conversations per second)"
+    )
+    input_lens: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None, description="prompt lengths (multi_turn: first-turn prompt)"
+    )
+    output_lens: list[Annotated[int, Field(ge=1)]] | None = Field(
+        default=None, description="output lengths"
+    )
+    modes: list[Mode] | None = Field(default=None, description="connector modes")
+    bidirectional: list[bool] | None = Field(default=None, description="reuse off / on")
+    iterations: int = Field(default=1, ge=1, description="repeats of every point (new seed each)")
+
+    @model_validator(mode="after")
+    def _no_empty_or_duplicate(self) -> Sweep:
+        for name in ("qps", "input_lens", "output_lens", "modes", "bidirectional"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if not values:
+                raise ValueError(f"{name}: an axis needs at least one value (or leave it out)")
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: values repeat: {values}")
+        return self
+
+
+class Assumption(_Config):
+    """One choice the published articles leave open, and why this scenario makes it."""
+
+    topic: str = Field(description="what is unknown, e.g. 'output length'")
+    choice: str = Field(description="what this scenario assumes")
+    why: str = Field(description="the reason, or the evidence behind the choice")
+
+
+_WHERE_KEYS = frozenset({
+    "mode", "qps", "input_len", "output_len", "bidirectional", "prompt_tokens", "load",
+})
+
+
+class PublishedFigure(_Config):
+    """One published number (or range) and the point it belongs to."""
+
+    metric: Literal[
+        "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "prefill_ms", "kv_transfer_ms",
+        "throughput_rps", "ttft_speedup", "tpot_speedup",
+    ] = Field(description="what was measured (speedups: baseline / improved)")
+    value: float | None = Field(default=None, description="the figure, when a single number")
+    low: float | None = Field(default=None, description="lower end, when a range")
+    high: float | None = Field(default=None, description="upper end, when a range")
+    stat: Literal["mean", "median", "p90", "p99"] = Field(
+        default="mean", description="statistic (the articles report means unless stated)"
+    )
+    where: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="which points it applies to: mode, qps, input_len, output_len, "
+        "bidirectional, prompt_tokens (bucket of turns by prompt length), load",
+    )
+    source: str = Field(description="the article, PR or section it comes from")
+    note: str = Field(default="", description="how to read it")
+
+    @model_validator(mode="after")
+    def _value_or_range(self) -> PublishedFigure:
+        if (self.value is None) == (self.low is None and self.high is None):
+            raise ValueError("give either value, or low and high")
+        if self.value is None and (self.low is None or self.high is None):
+            raise ValueError("a range needs both low and high")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError("low must be <= high")
+        unknown = set(self.where) - _WHERE_KEYS
+        if unknown:
+            raise ValueError(f"where: unknown keys {sorted(unknown)}; allowed {sorted(_WHERE_KEYS)}")
+        return self
+
+
+class Published(_Config):
+    """Figures to compare a simulated sweep against."""
+
+    source: str = Field(description="where the figures come from")
+    prompt_bucket: float = Field(
+        default=0.25, gt=0.0, lt=1.0,
+        description="a `prompt_tokens` selector matches turns within this relative distance",
+    )
+    figures: list[PublishedFigure] = Field(description="the figures")
+    claims: list[str] = Field(default_factory=list, description="qualitative published claims")
+
+
+# --- the scenario ---------------------------------------------------------------------------------
+
+
+class Profiles(_Config):
+    """The model and hardware profiles (names are resolved by `load_scenario`)."""
+
+    model: ModelProfile = Field(description="model profile: a bundled name, a path, or inline")
+    hardware: HardwareProfile = Field(
+        description="hardware profile: a bundled name, a path, or inline"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names_need_loading(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("model", "hardware"):
+                if isinstance(data.get(key), str):
+                    raise ValueError(  # noqa: TRY004 - pydantic reports ValueError only
+                        f"{key}: profile names are resolved by load_scenario / scenario_from_data;"
+                        " building Profiles directly needs profile objects"
+                    )
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One concrete point of a sweep."""
+
+    index: int
+    mode: Mode
+    bidirectional: bool
+    qps: float | None
+    input_len: int | None
+    output_len: int | None
+    iteration: int
+    seed: int
+    scenario: Scenario
+
+    @property
+    def label(self) -> str:
+        """`<mode>_qps<q>_in<in>_out<out>_iter<i>` like the published result files."""
+        parts: list[str] = [self.mode]
+        if self.bidirectional:
+            parts.append("bidi")
+        if self.qps is not None:
+            parts.append(f"qps{self.qps:g}")
+        if self.input_len is not None:
+            parts.append(f"in{self.input_len}")
+        if self.output_len is not None:
+            parts.append(f"out{self.output_len}")
+        parts.append(f"iter{self.iteration}")
+        return "_".join(parts)
+
+
+class Scenario(_Config):
+    """One experiment: cluster, profiles, engine, connector, workload, sweep, assumptions."""
+
+    name: str = Field(description="short name of the scenario")
+    description: str = Field(default="", description="what it is for")
+    seed: int = Field(default=0, ge=0, description="base seed of every random draw")
+    requests: int = Field(gt=0, description="requests per sweep point")
+    warmup_requests: int = Field(
+        default=0, ge=0, description="requests run first and left out of the statistics"
+    )
+    cluster: Cluster = Field(default_factory=Cluster, description="xPyD shape and TP sizes")
+    profiles: Profiles = Field(description="model and hardware profiles")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM settings")
+    connector: ConnectorSettings = Field(
+        default_factory=ConnectorSettings, description="KV connector settings"
+    )
+    workload: Workload = Field(description="request generator (kind: poisson|multi_turn|trace)")
+    sweep: Sweep = Field(default_factory=Sweep, description="axes to sweep")
+    assumptions: list[Assumption] = Field(
+        default_factory=list, description="every choice the published articles leave open"
+    )
+    published: Published | None = Field(default=None, description="figures to compare against")
+
+    @property
+    def model(self) -> ModelProfile:
+        return self.profiles.model
+
+    @property
+    def hardware(self) -> HardwareProfile:
+        return self.profiles.hardware
+
+    @property
+    def prefill_tp(self) -> int:
+        return self.cluster.prefill_tp or self.hardware.node.tp_size.value
+
+    @property
+    def decode_tp(self) -> int:
+        return self.cluster.decode_tp or self.hardware.node.tp_size.value
+
+    @property
+    def link(self) -> Literal["network", "nvlink"]:
+        """The KV path between prefill and decode."""
+        return "nvlink" if self.cluster.colocated else "network"
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Scenario:
+        devices = self.hardware.node.devices_per_node.value
+        for side, tp in (("prefill_tp", self.prefill_tp), ("decode_tp", self.decode_tp)):
+            if tp > devices:
+                raise ValueError(
+                    f"cluster.{side}={tp} exceeds {self.hardware.name}'s {devices} devices per node"
+                )
+        if self.cluster.colocated:
+            if "nvlink" not in self.hardware.links:
+                raise ValueError(f"cluster.colocated needs an 'nvlink' link in {self.hardware.name}")
+            if self.prefill_tp + self.decode_tp > devices:
+                raise ValueError("cluster.colocated: prefill_tp + decode_tp exceed one node")
+        kind = self.workload.kind
+        allowed = _AXES_FOR[kind]
+        for axis in ("qps", "input_lens", "output_lens"):
+            if getattr(self.sweep, axis) is not None and axis not in allowed:
+                raise ValueError(f"sweep.{axis} does not apply to a {kind!r} workload")
+        longest_in = max(self.sweep.input_lens or [0])
+        longest_out = max(self.sweep.output_lens or [0])
+        if isinstance(self.workload, PoissonWorkload):
+            longest_in = max(longest_in, int(self.workload.input_len.upper_bound())
+                             if not self.sweep.input_lens else 0)
+            longest_out = max(longest_out, int(self.workload.output_len.upper_bound())
+                              if not self.sweep.output_lens else 0)
+        if longest_in + longest_out > self.engine.max_model_len:
+            raise ValueError(
+                f"input {longest_in} + output {longest_out} tokens exceed engine.max_model_len "
+                f"{self.engine.max_model_len}"
+            )
+        return self
+
+    # -- sweep ---------------------------------------------------------------------------------
+
+    def points(self) -> list[Point]:
+        """Expand the sweep into concrete points (mode outermost, iteration innermost)."""
+        sweep = self.sweep
+        modes: list[Mode] = list(sweep.modes) if sweep.modes else [self.connector.mode]
+        bidis = list(sweep.bidirectional) if sweep.bidirectional else [self.connector.bidirectional]
+        qpss: list[float | None] = list(sweep.qps) if sweep.qps else [None]
+        ins: list[int | None] = list(sweep.input_lens) if sweep.input_lens else [None]
+        outs: list[int | None] = list(sweep.output_lens) if sweep.output_lens else [None]
+        points: list[Point] = []
+        grid = itertools.product(modes, bidis, qpss, ins, outs, range(sweep.iterations))
+        for index, (mode, bidi, qps, inp, out, it) in enumerate(grid):
+            scenario = self._concrete(mode, bidi, qps, inp, out)
+            points.append(Point(
+                index=index, mode=mode, bidirectional=bidi,
+                qps=qps if qps is not None else _base_qps(self.workload),
+                input_len=inp, output_len=out, iteration=it,
+                seed=_point_seed(self.seed, qps, inp, out, it),
+                scenario=scenario,
+            ))
+        return points
+
+    def _concrete(self, mode: Mode, bidi: bool, qps: float | None, inp: int | None,
+                  out: int | None) -> Scenario:
+        connector = self.connector.model_copy(update={"mode": mode, "bidirectional": bidi})
+        workload: PoissonWorkload | MultiTurnWorkload | TraceWorkload = self.workload
+        if isinstance(workload, PoissonWorkload):
+            update: dict[str, Any] = {}
+            if qps is not None:
+                update["qps"] = qps
+            if inp is not None:
+                update["input_len"] = workload.input_len.with_mean(inp)
+            if out is not None:
+                update["output_len"] = workload.output_len.with_mean(out)
+            workload = workload.model_copy(update=update)
+        elif isinstance(workload, MultiTurnWorkload):
+            update = {}
+            if qps is not None:
+                update["conversation_rate"] = qps
+            if inp is not None:
+                update["first_prompt"] = workload.first_prompt.with_mean(inp)
+            if out is not None:
+                update["output_len"] = workload.output_len.with_mean(out)
+            workload = workload.model_copy(update=update)
+        return self.model_copy(
+            update={"connector": connector, "workload": workload, "sweep": Sweep()}
+        )
+
+
+def _base_qps(workload: PoissonWorkload | MultiTurnWorkload | TraceWorkload) -> float | None:
+    if isinstance(workload, PoissonWorkload):
+        return workload.qps
+    if isinstance(workload, MultiTurnWorkload):
+        return workload.conversation_rate
+    return None
+
+
+def _point_seed(seed: int, qps: float | None, inp: int | None, out: int | None, it: int) -> int:
+    key = f"{seed}|{qps!r}|{inp!r}|{out!r}|{it}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+_SCENARIOS_PACKAGE = "kvplane.scenarios"
+
+
+def bundled_scenario_names() -> list[str]:
+    """Names of the scenarios shipped in kvplane.scenarios (the *.yaml next to its __init__)."""
+    folder = resources.files(_SCENARIOS_PACKAGE)
+    return sorted(e.name[:-5] for e in folder.iterdir() if e.name.endswith(".yaml"))
+
+
+def _is_path(path_or_name: str | Path) -> bool:
+    text = str(path_or_name)
+    return isinstance(path_or_name, Path) or "/" in text or text.endswith((".yaml", ".yml"))
+
+
+def load_scenario(path_or_name: str | Path) -> Scenario:
+    """Read and validate a scenario file, or a bundled scenario given by name.
+
+    Raises ScenarioError naming the file, the dotted field (with its line) and what was expected,
+    for YAML syntax errors, unknown profile names, wrong types, unknown fields and incoherent
+    settings.
+    """
+    if _is_path(path_or_name):
+        path = Path(path_or_name)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ScenarioError(str(path), [("", "a readable scenario file", str(exc), None)]) \
+                from None
+        file, base_dir = str(path), path.parent
+    else:
+        name = str(path_or_name)
+        entry = resources.files(_SCENARIOS_PACKAGE).joinpath(f"{name}.yaml")
+        if not entry.is_file():
+            names = ", ".join(bundled_scenario_names()) or "(none)"
+            raise ScenarioError(name, [("", f"a scenario file path or a bundled name ({names})",
+                                        None, None)])
+        text, file = entry.read_text(encoding="utf-8"), f"scenarios/{name}.yaml"
+        base_dir = Path(str(resources.files(_SCENARIOS_PACKAGE)))
+    data, positions = read_yaml(text, file)
+    return scenario_from_data(data, file=file, base_dir=base_dir, positions=positions)
+
+
+def scenario_from_data(
+    data: Any,
+    file: str = "<scenario>",
+    base_dir: Path | None = None,
+    positions: _Positions | None = None,
+) -> Scenario:
+    """Validate parsed scenario data: resolve profile names and relative paths, then check."""
+    if not isinstance(data, dict):
+        raise ScenarioError(file, [("", "a mapping at the top of the scenario", _short(data), 1)])
+    data = dict(data)
+    profiles = data.get("profiles")
+    if isinstance(profiles, dict):
+        data["profiles"] = _resolve_profiles(profiles, file, base_dir, positions)
+    workload = data.get("workload")
+    if (
+        isinstance(workload, dict)
+        and workload.get("kind") == "trace"
+        and isinstance(workload.get("path"), str)
+        and base_dir is not None
+        and not Path(workload["path"]).is_absolute()
+    ):
+        data["workload"] = {**workload, "path": str(base_dir / workload["path"])}
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise scenario_error_from_validation(exc, file, positions, root=Scenario) from None
+
+
+def _resolve_profiles(
+    profiles: dict[str, Any], file: str, base_dir: Path | None, positions: _Positions | None
+) -> dict[str, Any]:
+    out = dict(profiles)
+    for key in ("model", "hardware"):
+        if key not in profiles:
+            continue  # pydantic reports the missing field
+        value = profiles[key]
+        where = ("profiles", key)
+        line = positions.line_of(where) if positions else None
+        if isinstance(value, str):
+            target: str | Path = value
+            if _is_path(value) and base_dir is not None and not Path(value).is_absolute():
+                target = base_dir / value
+            try:
+                out[key] = load_profile(target, kind=key)
+            except ScenarioError as exc:
+                if exc.problems and exc.problems[0][0] == "" and not _is_path(value):
+                    from .profiles import bundled_profile_names
+
+                    names = ", ".join(bundled_profile_names(key))
+                    raise ScenarioError(file, [(
+                        f"profiles.{key}",
+                        (f"the name of a bundled {key} profile ({names}), "
+                         "a path to a profile file, or an inline profile"),
+                        repr(value), line,
+                    )]) from None
+                raise
+        elif isinstance(value, dict):
+            out[key] = profile_from_data(value, file, positions, key, where)
+        else:
+            raise ScenarioError(file, [(
+                f"profiles.{key}", "a profile name, a path, or an inline profile mapping",
+                _short(value), line,
+            )])
+    return out

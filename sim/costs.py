@@ -1,0 +1,541 @@
+"""Cost models: how long things take, built from a model profile and a hardware profile.
+
+Rules kept here:
+- Each concern is its own small object with small methods, so a what-if is a profile change and
+  a test can check one formula at a time: `KVGeometry` (bytes, blocks, descriptors),
+  `ComputeCost` (engine steps: prefill, decode, mixed), `TransferCost` (NIXL preparation,
+  posting, the wire, handshake, notification).
+- Costs are pure functions of their arguments: no clock, no randomness, no state. Units are
+  seconds, bytes, tokens. Every constant comes from a profile (which cites its source) or is a
+  physical identity (2 FLOPs per multiply-add, K and V per layer).
+- Tensor parallelism: an instance of TP size `tp` splits weights, FLOPs and KV heads over `tp`
+  ranks. A KV transfer moves one slice per rank pair and all ranks move in parallel, so a
+  transfer costs what one rank's slice costs. Descriptors per rank pair = runs x layers x 2
+  (K and V are separate regions of every layer), where runs is the number of contiguous block
+  runs the transfer plan found (kvplane.core merges adjacent blocks).
+- Where a cost is paid is the driver's business, but the timing record says where it would be
+  paid in vLLM: pull mode prepares and posts descriptors inline in decode's engine loop (a stall
+  of every running request); push mode does both on prefill's background transfer thread.
+
+How a step is priced (roofline with fixed costs):
+    step = step_overhead + all-reduce(tokens) + max(FLOPs / (peak * tp * mfu),
+                                                   (weight + KV read bytes per rank) / (bw * u))
+FLOPs per token = 2 * matmul parameters + 4 * layers * heads * head_dim * (context it attends to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from kvplane.core.plan import KVLayout
+
+from .profiles import DTYPE_BYTES, HardwareProfile, ModelProfile
+
+if TYPE_CHECKING:
+    from .config import Scenario
+
+__all__ = [
+    "ComputeCost",
+    "KVGeometry",
+    "SimCosts",
+    "TransferCost",
+    "TransferTiming",
+    "attention_pairs",
+    "kv_pool_blocks",
+]
+
+KV_PARTS = 2  # K and V are stored (and described) separately in every layer
+
+
+def attention_pairs(new_tokens: int, cached_tokens: int = 0) -> float:
+    """Query-key pairs a causal prefill of `new_tokens` after `cached_tokens` computes."""
+    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2.0
+
+
+# --- KV geometry ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """The KV cache of one model on one instance: bytes per token and block, descriptors.
+
+    `kv_heads_per_rank` is num_kv_heads / tp, at least 1 (KV heads are replicated when tp
+    exceeds them, as vLLM does).
+    """
+
+    num_layers: int
+    kv_heads_per_rank: int
+    head_dim: int
+    kv_dtype_bytes: float
+    block_size: int
+    tp: int
+
+    @classmethod
+    def of(cls, model: ModelProfile, tp: int, block_size: int = 16) -> KVGeometry:
+        if tp < 1 or block_size < 1:
+            raise ValueError(f"tp and block_size must be >= 1, got tp={tp}, block={block_size}")
+        heads = model.num_kv_heads.value
+        return cls(
+            num_layers=model.num_layers.value,
+            kv_heads_per_rank=max(1, heads // tp),
+            head_dim=model.head_dim.value,
+            kv_dtype_bytes=DTYPE_BYTES[model.kv_dtype],
+            block_size=block_size,
+            tp=tp,
+        )
+
+    @property
+    def bytes_per_token_per_rank(self) -> float:
+        """K and V of every layer for one token, on one rank."""
+        return KV_PARTS * self.num_layers * self.kv_heads_per_rank * self.head_dim * (
+            self.kv_dtype_bytes
+        )
+
+    @property
+    def bytes_per_token(self) -> float:
+        """What one token's KV occupies over all ranks of the instance."""
+        return self.bytes_per_token_per_rank * self.tp
+
+    @property
+    def region_bytes(self) -> float:
+        """One (layer, K or V, block) region on one rank: the unit a descriptor describes."""
+        return self.block_size * self.kv_heads_per_rank * self.head_dim * self.kv_dtype_bytes
+
+    @property
+    def bytes_per_block_per_rank(self) -> float:
+        return self.region_bytes * KV_PARTS * self.num_layers
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks needed to hold `tokens` tokens (the last one may be partly filled)."""
+        return -(-tokens // self.block_size) if tokens > 0 else 0
+
+    def full_blocks(self, tokens: int) -> int:
+        """Blocks entirely filled by `tokens` tokens (what prefix caching can share)."""
+        return max(0, tokens) // self.block_size
+
+    def descriptors(self, runs: int) -> int:
+        """Descriptors per rank pair for `runs` contiguous block runs: runs x layers x (K, V)."""
+        return runs * self.num_layers * KV_PARTS
+
+    def transfer_bytes_per_rank(self, blocks: int) -> float:
+        """Bytes one rank moves for `blocks` whole blocks."""
+        return blocks * self.bytes_per_block_per_rank
+
+
+def kv_pool_blocks(
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    tp: int,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    reserve_bytes: float = 0.0,
+) -> int:
+    """KV blocks one instance can hold, the way vLLM sizes its pool.
+
+    Per device: capacity x gpu_memory_utilization - weights per rank - `reserve_bytes`
+    (activations, CUDA graphs, communication buffers), divided by one block's bytes on a rank.
+    """
+    geometry = KVGeometry.of(model, tp, block_size)
+    capacity = hardware.device.hbm_capacity.value * gpu_memory_utilization
+    weights = model.total_params.value * DTYPE_BYTES[model.weight_dtype] / tp
+    free = capacity - weights - reserve_bytes
+    if free <= 0:
+        raise ValueError(
+            f"{model.name} at tp={tp} does not fit {hardware.name}: weights {weights / 1e9:.1f} GB"
+            f" + reserve {reserve_bytes / 1e9:.1f} GB per device exceed {capacity / 1e9:.1f} GB"
+        )
+    return int(free // geometry.bytes_per_block_per_rank)
+
+
+# --- compute ----------------------------------------------------------------------------------------
+
+
+class ComputeCost:
+    """Engine-step times of one instance (prefill, decode or mixed batches)."""
+
+    def __init__(self, model: ModelProfile, hardware: HardwareProfile, tp: int | None = None,
+                 block_size: int = 16) -> None:
+        self.model = model
+        self.hardware = hardware
+        self.tp = tp if tp is not None else hardware.node.tp_size.value
+        if self.tp > hardware.node.devices_per_node.value:
+            raise ValueError(f"tp={self.tp} exceeds devices_per_node of {hardware.name}")
+        self.geometry = KVGeometry.of(model, self.tp, block_size)
+        wbytes = DTYPE_BYTES[model.weight_dtype]
+        matmul_params = model.active_params.value - model.embedding_params.value
+        # 2 FLOPs per multiply-add; the input embedding is a lookup, the LM head runs once per
+        # sequence that samples a token, so both stay out of the per-token matmul term.
+        self.linear_flops_per_token = 2.0 * matmul_params
+        self.lm_head_flops = 2.0 * model.vocab_size.value * model.hidden_size.value
+        # QK^T and PV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair per layer.
+        self.attention_flops_per_pair = (
+            4.0 * model.num_layers.value * model.num_attention_heads.value * model.head_dim.value
+        )
+        self.flops_per_second = (
+            hardware.device.peak_flops_bf16.value
+            * self.tp
+            * hardware.achievable.compute_utilization.value
+        )
+        self.bytes_per_second = (
+            hardware.device.hbm_bandwidth.value
+            * hardware.achievable.memory_bandwidth_utilization.value
+        )
+        self._dense_weight_bytes_per_rank = model.total_params.value * wbytes / self.tp
+        moe = model.moe
+        self._expert_bytes_per_rank = (
+            moe.expert_params.value * wbytes / self.tp if moe is not None else 0.0
+        )
+        self._experts = moe.num_experts.value if moe is not None else 0
+        self._top_k = moe.experts_per_token.value if moe is not None else 0
+        self.kv_bytes_per_token_per_rank = self.geometry.bytes_per_token_per_rank
+        self.step_overhead = hardware.engine.step_overhead.value
+        self.prefill_request_overhead = hardware.engine.prefill_request_overhead.value
+        self._ar_latency = hardware.tp_collective.allreduce_latency.value
+        self._ar_bandwidth = hardware.tp_collective.allreduce_bandwidth.value
+        self._ar_per_pass = 2 * model.num_layers.value  # after attention and after the MLP
+        self._activation_bytes_per_token = model.hidden_size.value * DTYPE_BYTES[model.weight_dtype]
+
+    # -- pieces ------------------------------------------------------------------------------------
+
+    def weight_bytes_per_rank(self, tokens: int = 1) -> float:
+        """Weight bytes one rank streams in a step of `tokens` tokens.
+
+        Dense: all of them. MoE: non-expert weights plus the expected share of experts that at
+        least one of the step's tokens routes to, 1 - (1 - k/E)^tokens.
+        """
+        if self._experts == 0:
+            return self._dense_weight_bytes_per_rank
+        touched = 1.0 - (1.0 - self._top_k / self._experts) ** max(tokens, 1)
+        shared = self._dense_weight_bytes_per_rank - self._expert_bytes_per_rank
+        return shared + self._expert_bytes_per_rank * touched
+
+    def allreduce_time(self, tokens: int) -> float:
+        """Two all-reduces per layer of `tokens` x hidden activations; zero without TP."""
+        if self.tp == 1 or tokens <= 0:
+            return 0.0
+        size = tokens * self._activation_bytes_per_token
+        return self._ar_per_pass * (self._ar_latency + size / self._ar_bandwidth)
+
+    def flops(self, tokens: int, attention_pairs_: float, sampled: int) -> float:
+        """FLOPs of a step computing `tokens` tokens that attend over `attention_pairs_` pairs."""
+        return (
+            self.linear_flops_per_token * tokens
+            + self.attention_flops_per_pair * attention_pairs_
+            + self.lm_head_flops * sampled
+        )
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def step_time(
+        self,
+        *,
+        tokens: int,
+        attention_pairs_: float,
+        kv_read_tokens: float,
+        sampled: int,
+    ) -> float:
+        """One engine step: overhead + all-reduce + max(compute, memory), all scalars.
+
+        tokens: tokens computed this step (prefill chunk tokens + one per decoding sequence);
+        attention_pairs_: (query, key) pairs attended over; kv_read_tokens: cached tokens whose
+        KV is read from HBM; sampled: sequences that produce a token this step.
+        """
+        if tokens <= 0:
+            return 0.0
+        compute = self.flops(tokens, attention_pairs_, sampled) / self.flops_per_second
+        memory = (
+            self.weight_bytes_per_rank(tokens)
+            + kv_read_tokens * self.kv_bytes_per_token_per_rank
+        ) / self.bytes_per_second
+        return self.step_overhead + self.allreduce_time(tokens) + max(compute, memory)
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """One step that prefills `new_tokens` after `cached_tokens` already in the cache."""
+        return self.step_time(
+            tokens=new_tokens,
+            attention_pairs_=attention_pairs(new_tokens, cached_tokens),
+            kv_read_tokens=cached_tokens,
+            sampled=1,
+        )
+
+    def chunked_prefill_time(self, new_tokens: int, cached_tokens: int = 0,
+                             chunk: int | None = None) -> float:
+        """Prefill of one request alone, in chunks of at most `chunk` tokens (one step each)."""
+        if chunk is None or chunk >= new_tokens:
+            return self.prefill_time(new_tokens, cached_tokens)
+        total, done = 0.0, 0
+        while done < new_tokens:
+            size = min(chunk, new_tokens - done)
+            total += self.prefill_time(size, cached_tokens + done)
+            done += size
+        return total
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        """A decode-only step: `batch_size` sequences holding `context_tokens` tokens in total."""
+        return self.step_time(
+            tokens=batch_size,
+            attention_pairs_=float(context_tokens),
+            kv_read_tokens=float(context_tokens),
+            sampled=batch_size,
+        )
+
+    def batch_step_time(
+        self, prefills: Sequence[tuple[int, int]] = (), decode_contexts: Sequence[int] = ()
+    ) -> float:
+        """A mixed step: prefill chunks as (new, cached) pairs plus decoding sequences' contexts.
+
+        Prefill chunks that do not finish their prompt sample nothing; for simplicity every
+        chunk is counted as sampling once (the LM head is < 0.5 % of a chunk's FLOPs).
+        """
+        tokens = sum(n for n, _ in prefills) + len(decode_contexts)
+        pairs = sum(attention_pairs(n, c) for n, c in prefills) + float(sum(decode_contexts))
+        kv_read = float(sum(c for _, c in prefills) + sum(decode_contexts))
+        return self.step_time(
+            tokens=tokens, attention_pairs_=pairs, kv_read_tokens=kv_read,
+            sampled=len(prefills) + len(decode_contexts),
+        )
+
+
+# --- transfer ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTiming:
+    """One KV transfer priced piece by piece (per rank; ranks run in parallel).
+
+    engine_stall_s: time the *engine loop* that prepares the transfer is blocked (pull mode
+        without a reader thread: decode's loop; zero when a background thread does it);
+    thread_busy_s: time a background transfer thread is busy preparing and posting (push
+        mode: prefill's thread; pull with a reader thread: decode's reader);
+    wire_s: from the last post to the data landing (latency, bytes, per-descriptor execution);
+    notify_s: the completion notification's trip to the consumer (push) or 0;
+    total_s: from the decision to transfer to the consumer knowing the data is there.
+    """
+
+    descriptors: int
+    bytes_per_rank: float
+    prepare_s: float
+    post_s: float
+    wire_s: float
+    notify_s: float
+    engine_stall_s: float
+    thread_busy_s: float
+    total_s: float
+
+
+class TransferCost:
+    """NIXL transfer costs over one link kind ('network' between nodes, 'nvlink' inside one)."""
+
+    def __init__(self, hardware: HardwareProfile,
+                 link: Literal["network", "nvlink"] = "network") -> None:
+        if link not in hardware.links:
+            raise ValueError(f"{hardware.name} has no {link!r} link (has {sorted(hardware.links)})")
+        spec = hardware.links[link]
+        self.hardware = hardware
+        self.link = link
+        self.bandwidth_per_rank = (
+            spec.bandwidth_per_rail.value * spec.rails_per_device.value * spec.utilization.value
+        )
+        self.latency = spec.latency.value
+        self.post_fixed = spec.post_fixed.value
+        self.post_per_descriptor = spec.post_per_descriptor.value
+        self.wire_per_descriptor = spec.wire_per_descriptor.value
+        nixl = hardware.nixl
+        self.prep_fixed = nixl.prep_fixed.value
+        self.prep_per_descriptor = nixl.prep_per_descriptor.value
+        self.unprepped_per_descriptor = nixl.unprepped_per_descriptor.value
+        self.dlist_prep_per_descriptor = nixl.dlist_prep_per_descriptor.value
+        self.add_remote_agent = nixl.add_remote_agent.value
+        self.reuse_read_setup = nixl.reuse_read_setup.value
+
+    def prepare_time(self, descriptors: int, prepped: bool = True) -> float:
+        """Building the request's descriptors: make_prepped_xfer, or lists + initialize_xfer."""
+        per = self.prep_per_descriptor if prepped else self.unprepped_per_descriptor
+        return self.prep_fixed + descriptors * per
+
+    def post_time(self, descriptors: int) -> float:
+        """Posting the transfer to the backend, on the thread that calls it."""
+        return self.post_fixed + descriptors * self.post_per_descriptor
+
+    def wire_time(self, bytes_per_rank: float, descriptors: int) -> float:
+        """From posted to landed: latency + bytes / (rail bandwidth x rails x util) + per-desc."""
+        return (
+            self.latency
+            + bytes_per_rank / self.bandwidth_per_rank
+            + descriptors * self.wire_per_descriptor
+        )
+
+    def transfer_time(self, bytes_per_rank: float, descriptors: int) -> float:
+        """Post plus wire for one rank's slice (all ranks in parallel, so the whole transfer)."""
+        return self.post_time(descriptors) + self.wire_time(bytes_per_rank, descriptors)
+
+    def notification_time(self) -> float:
+        """One small completion message: a single-descriptor post and the link latency."""
+        return self.post_fixed + self.post_per_descriptor + self.latency
+
+    def handshake_time(self, peer_descriptors: int = 0) -> float:
+        """First contact with a peer: metadata round trip, add_remote_agent, and preparing the
+        peer's descriptor list (`peer_descriptors` regions, one-time)."""
+        return (
+            2.0 * self.latency
+            + self.add_remote_agent
+            + peer_descriptors * self.dlist_prep_per_descriptor
+        )
+
+    def timing(
+        self,
+        bytes_per_rank: float,
+        descriptors: int,
+        *,
+        placement: Literal["engine_loop", "thread"],
+        notify: bool,
+        prepped: bool = True,
+        setup_s: float = 0.0,
+    ) -> TransferTiming:
+        """Price one transfer and say which loop pays the preparation.
+
+        placement: 'engine_loop' (pull without a reader thread: prepare + post block the
+        engine) or 'thread' (push's background thread, or a pull reader thread).
+        notify: add the completion notification's trip (push WRITE notifications).
+        setup_s: fixed coordination before the transfer (e.g. `reuse_read_setup`).
+        """
+        prepare = self.prepare_time(descriptors, prepped)
+        post = self.post_time(descriptors)
+        wire = self.wire_time(bytes_per_rank, descriptors)
+        notify_s = self.latency if notify else 0.0
+        busy = prepare + post
+        return TransferTiming(
+            descriptors=descriptors,
+            bytes_per_rank=bytes_per_rank,
+            prepare_s=prepare,
+            post_s=post,
+            wire_s=wire,
+            notify_s=notify_s,
+            engine_stall_s=busy if placement == "engine_loop" else 0.0,
+            thread_busy_s=busy if placement == "thread" else 0.0,
+            total_s=setup_s + busy + wire + notify_s,
+        )
+
+    def kv_timing(
+        self,
+        geometry: KVGeometry,
+        blocks: int,
+        runs: int,
+        *,
+        placement: Literal["engine_loop", "thread"],
+        notify: bool,
+        setup_s: float = 0.0,
+    ) -> TransferTiming:
+        """`timing` for `blocks` KV blocks in `runs` contiguous runs of one model's cache."""
+        if runs > blocks or (blocks > 0 and runs < 1):
+            raise ValueError(f"runs must be in 1..blocks, got runs={runs}, blocks={blocks}")
+        return self.timing(
+            geometry.transfer_bytes_per_rank(blocks),
+            geometry.descriptors(runs),
+            placement=placement,
+            notify=notify,
+            setup_s=setup_s,
+        )
+
+
+# --- the bundle the SimPy engine uses ---------------------------------------------------------------
+
+
+class SimCosts:
+    """Every cost the engine needs, for one scenario (the `Costs` protocol of sim/engine.py).
+
+    Conventions of the engine's calls, kept here:
+    - `descriptor_prep_time(descriptors, inline)`: `descriptors` is a plan's total over all
+      streams; each rank prepares and posts its own share in parallel, so the time is that of
+      descriptors / tp of the preparing side (decode when inline, prefill otherwise). It
+      includes the post, because vLLM posts on the thread that prepared (pull: decode's engine
+      loop; push: prefill's background thread).
+    - `transfer_time(nbytes, descriptors, streams)`: totals over `streams` parallel rank pairs;
+      the wire time of one stream's share (the post was already paid above).
+    - `request_overhead()` is a per-request delay on the prefill path that does *not* hold the
+      engine (calibrated, docs/calibration.md section 3); `reuse_read_setup()` is the fixed
+      coordination of a D->P reuse read (section 4). The engine adds both where they occur.
+    """
+
+    def __init__(
+        self,
+        model: ModelProfile,
+        hardware: HardwareProfile,
+        *,
+        prefill_tp: int | None = None,
+        decode_tp: int | None = None,
+        link: Literal["network", "nvlink"] = "network",
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        reserve_bytes: float = 4.0e9,
+    ) -> None:
+        self.model = model
+        self.hardware = hardware
+        self.prefill = ComputeCost(model, hardware, prefill_tp, block_size)
+        self.decode = ComputeCost(model, hardware, decode_tp, block_size)
+        self.transfer = TransferCost(hardware, link)
+        self.block_size = block_size
+        self.pool_blocks = {
+            side: kv_pool_blocks(model, hardware, cost.tp, block_size, gpu_memory_utilization,
+                                 reserve_bytes)
+            for side, cost in (("prefill", self.prefill), ("decode", self.decode))
+        }
+
+    @classmethod
+    def from_scenario(cls, scenario: Scenario) -> SimCosts:
+        engine = scenario.engine
+        return cls(
+            scenario.model, scenario.hardware,
+            prefill_tp=scenario.prefill_tp, decode_tp=scenario.decode_tp, link=scenario.link,
+            block_size=engine.block_size,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            reserve_bytes=engine.activation_reserve_bytes,
+        )
+
+    # -- the engine's protocol ---------------------------------------------------------------------
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float:
+        """One prefill step (one chunk) of `new_tokens` after `cached_tokens`."""
+        return self.prefill.prefill_time(new_tokens, cached_tokens)
+
+    def decode_step_time(self, batch: int, context_tokens: int) -> float:
+        return self.decode.decode_step_time(batch, context_tokens)
+
+    def descriptor_prep_time(self, descriptors: int, inline: bool) -> float:
+        tp = self.decode.tp if inline else self.prefill.tp
+        per_rank = -(-descriptors // tp)
+        return self.transfer.prepare_time(per_rank) + self.transfer.post_time(per_rank)
+
+    def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float:
+        streams = max(1, streams)
+        return self.transfer.wire_time(nbytes / streams, -(-descriptors // streams))
+
+    def handshake_time(self) -> float:
+        """First contact: metadata round trip, add_remote_agent, and preparing the peer's
+        descriptor list for its whole pool (one region per block, layer and K/V, per rank)."""
+        peer = max(self.pool_blocks.values()) * self.prefill.geometry.num_layers * 2
+        return self.transfer.handshake_time(peer)
+
+    def message_latency(self) -> float:
+        return self.transfer.notification_time()
+
+    # -- what the protocol above does not carry ------------------------------------------------------
+
+    def request_overhead(self) -> float:
+        return self.prefill.prefill_request_overhead
+
+    def reuse_read_setup(self) -> float:
+        return self.transfer.reuse_read_setup
+
+    def layout(self, side: Literal["prefill", "decode"]) -> KVLayout:
+        """The core's KVLayout of one side."""
+        cost = self.prefill if side == "prefill" else self.decode
+        return KVLayout(
+            block_size=self.block_size,
+            tp=cost.tp,
+            num_layers=self.model.num_layers.value,
+            num_kv_heads=self.model.num_kv_heads.value,
+            head_bytes=int(self.model.head_dim.value * DTYPE_BYTES[self.model.kv_dtype]),
+        )

@@ -1,0 +1,552 @@
+"""Model and hardware profiles: the physical constants the cost models are built from.
+
+Rules kept here:
+- Every numeric constant is a `Sourced` value, written in YAML as `{value: ..., source: "..."}`
+  (optionally with `unit:`). A bare number is an error, and so is a source that does not say
+  what kind of evidence it is: `datasheet:`, `config:` (a model's published config.json),
+  `published:` (a published measurement), `measured:` (a measurement made here, SPEC.md section 5
+  or `kvplane calibrate`), `calibrated:` (fitted to published figures in docs/calibration.md),
+  `derived:` (computed from other sourced constants) or `synthetic:` (test-only profiles).
+- Units are SI base units: seconds, bytes, bytes per second, FLOP per second. A field that has a
+  unit declares it; a `unit:` written in the file must match it, so a GB/s-vs-Gb/s slip is caught.
+- Profiles are frozen pydantic models with `extra="forbid"`. Building one does no I/O; reading a
+  file is `load_profile`, which raises `ScenarioError` naming the file, the dotted field and what
+  was expected. Bundled profiles live in `kvplane.scenarios/profiles/<name>.yaml`.
+- A profile describes a thing (a model, a machine); how a scenario uses it (how many instances,
+  which connector mode) is the scenario's business (sim/config.py).
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "DTYPE_BYTES",
+    "SOURCE_KINDS",
+    "HardwareProfile",
+    "LinkProfile",
+    "MoESpec",
+    "ModelProfile",
+    "ScenarioError",
+    "Sourced",
+    "SourcedInt",
+    "bundled_profile_names",
+    "load_profile",
+    "read_yaml",
+    "scenario_error_from_validation",
+]
+
+SOURCE_KINDS: tuple[str, ...] = (
+    "datasheet", "config", "published", "measured", "calibrated", "derived", "synthetic",
+)
+_SOURCE_RE = re.compile(rf"^({'|'.join(SOURCE_KINDS)}):\s*\S")
+
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5,
+}
+Dtype = Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4", "fp4"]
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+
+class ScenarioError(ValueError):
+    """A scenario or profile file is wrong: names the file, the field and what was expected.
+
+    `problems` holds one `(field, expected, got, line)` tuple per mistake; `str()` lists them all,
+    one per line, as `file:line: field: expected ..., got ...`.
+    """
+
+    def __init__(
+        self, file: str, problems: list[tuple[str, str, str | None, int | None]]
+    ) -> None:
+        self.file = file
+        self.problems = problems
+        lines = []
+        for field, expected, got, line in problems:
+            where = f"{file}:{line}" if line else file
+            what = f"{field}: " if field else ""
+            tail = f", got {got}" if got is not None else ""
+            lines.append(f"{where}: {what}expected {expected}{tail}")
+        super().__init__("\n".join(lines))
+
+    @property
+    def field(self) -> str:
+        """The dotted path of the first problem (the one most callers want to show)."""
+        return self.problems[0][0] if self.problems else ""
+
+
+# --- YAML with positions --------------------------------------------------------------------------
+
+
+class _Positions:
+    """Line numbers of the nodes of one YAML document, keyed by path tuple."""
+
+    def __init__(self) -> None:
+        self.lines: dict[tuple[str | int, ...], int] = {}
+
+    def walk(self, node: yaml.Node, path: tuple[str | int, ...]) -> None:
+        self.lines[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else str(key)
+                self.walk(value, (*path, name))
+                # point at the key, which is where a reader looks for the field
+                self.lines[(*path, name)] = key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self.walk(item, (*path, i))
+
+    def line_of(self, path: tuple[str | int, ...]) -> int | None:
+        """The line of `path`, or of its deepest ancestor present in the file."""
+        for end in range(len(path), -1, -1):
+            line = self.lines.get(path[:end])
+            if line is not None:
+                return line
+        return None
+
+
+def read_yaml(text: str, file: str) -> tuple[Any, _Positions]:
+    """Parse one YAML document; a syntax error becomes a ScenarioError with its line number."""
+    try:
+        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else None
+        col = f", column {mark.column + 1}" if mark is not None else ""
+        problem = exc.problem or exc.context or "malformed YAML"
+        raise ScenarioError(file, [("", f"valid YAML ({problem}{col})", None, line)]) from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError(file, [("", f"valid YAML ({exc})", None, None)]) from None
+    positions = _Positions()
+    if node is not None:
+        positions.walk(node, ())
+    return data, positions
+
+
+# --- pydantic errors to ScenarioError -------------------------------------------------------------
+
+# Union members that pydantic puts into `loc`; they are not fields the user wrote.
+_TAG_SEGMENTS = frozenset({
+    "poisson", "multi_turn", "trace", "fixed", "renewable",
+    "function-after", "function-before", "function-wrap", "function-plain",
+})
+
+
+def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    out: list[int | str] = []
+    for seg in loc:
+        if isinstance(seg, str) and (
+            seg in _TAG_SEGMENTS or seg.startswith(("function-", "tagged-union["))
+        ):
+            continue
+        out.append(seg)
+    return tuple(out)
+
+
+def _dotted(prefix: tuple[int | str, ...], loc: tuple[int | str, ...]) -> str:
+    text = ""
+    for seg in (*prefix, *loc):
+        if isinstance(seg, int):
+            text += f"[{seg}]"
+        else:
+            text += f".{seg}" if text else str(seg)
+    return text
+
+
+def _expected(err: Any, allowed: list[str] | None) -> str:
+    kind = err["type"]
+    if kind == "missing":
+        return "a value (this field is required)"
+    if kind == "extra_forbidden":
+        if allowed:
+            return "no such field; allowed fields here: " + ", ".join(allowed)
+        return "no such field"
+    msg: str = err["msg"]
+    for lead in ("Input should be ", "Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(lead)
+    return msg
+
+
+def _allowed_fields(root: type[BaseModel], loc: tuple[int | str, ...]) -> list[str] | None:
+    """Best effort: the field names of the model at `loc[:-1]` (for 'no such field' hints)."""
+    import typing
+
+    model: Any = root
+    for seg in loc[:-1]:
+        if isinstance(seg, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        info = model.model_fields.get(seg)
+        if info is None:
+            # a tagged union member name sits in loc: pick that member
+            return None
+        model = _model_of(info.annotation, typing)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return sorted(model.model_fields)
+    return None
+
+
+def _model_of(annotation: Any, typing: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _model_of(typing.get_args(annotation)[0], typing)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    models = [_model_of(a, typing) for a in args]
+    models = [m for m in models if isinstance(m, type) and issubclass(m, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def scenario_error_from_validation(
+    exc: ValidationError,
+    file: str,
+    positions: _Positions | None = None,
+    prefix: tuple[int | str, ...] = (),
+    root: type[BaseModel] | None = None,
+) -> ScenarioError:
+    """Turn a pydantic ValidationError into a ScenarioError with dotted paths and line numbers."""
+    problems: list[tuple[str, str, str | None, int | None]] = []
+    seen: set[tuple[str, str]] = set()
+    for err in exc.errors(include_url=False):
+        loc = _clean_loc(tuple(err["loc"]))
+        allowed = _allowed_fields(root, loc) if root is not None else None
+        expected = _expected(err, allowed)
+        got = None if err["type"] == "missing" else _short(err.get("input"))
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            ctx = err.get("ctx") or {}
+            loc = (*loc, str(ctx.get("discriminator", "kind")).strip("'"))
+            expected = f"one of {ctx.get('expected_tags', '')}"
+            got = _short(ctx.get("tag")) if err["type"] == "union_tag_invalid" else None
+        field = _dotted(prefix, loc)
+        if (field, expected) in seen:
+            continue
+        seen.add((field, expected))
+        line = positions.line_of((*prefix, *loc)) if positions is not None else None
+        problems.append((field, expected, got, line))
+    return ScenarioError(file, problems)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- sourced constants ----------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_sourced(data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(  # noqa: TRY004 - pydantic reports ValueError only
+            f"a constant with its source, e.g. {{value: {data!r}, source: \"datasheet: ...\"}}"
+            " (every constant cites a datasheet, a published or local measurement, or a fit)"
+        )
+    source = data.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(
+            "a `source:` next to the value (every constant cites its source: one of "
+            + ", ".join(f"'{k}: ...'" for k in SOURCE_KINDS) + ")"
+        )
+    if not _SOURCE_RE.match(source.strip()):
+        raise ValueError(
+            f"a source starting with its kind, one of {', '.join(SOURCE_KINDS)} "
+            f"(e.g. 'datasheet: NVIDIA H200 ...'), not {source!r}"
+        )
+    return data
+
+
+class Sourced(_Strict):
+    """A real-valued constant and the evidence for it."""
+
+    value: float = Field(description="the number, in the SI unit of the field")
+    source: str = Field(description="kind of evidence and where: 'datasheet: ...', 'measured: ...'")
+    unit: str | None = Field(default=None, description="optional; must match the field's unit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _need_source(cls, data: Any) -> Any:
+        return _check_sourced(data)
+
+
+class SourcedInt(_Strict):
+    """An integer constant and the evidence for it."""
+
+    value: int = Field(description="the integer")
+    source: str = Field(description="kind of evidence and where")
+    unit: str | None = Field(default=None, description="optional; must match the field's unit")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _need_source(cls, data: Any) -> Any:
+        return _check_sourced(data)
+
+
+class _Profile(_Strict):
+    """Checks the optional `unit:` of every sourced field against the unit the field declares."""
+
+    @model_validator(mode="after")
+    def _units_match(self) -> _Profile:
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if not isinstance(value, (Sourced, SourcedInt)) or value.unit is None:
+                continue
+            extra = info.json_schema_extra
+            expected = extra.get("unit") if isinstance(extra, dict) else None
+            if expected is not None and value.unit != expected:
+                raise ValueError(f"{name}: unit {value.unit!r} where {expected!r} is expected")
+        return self
+
+
+def _u(unit: str, description: str, **kw: Any) -> Any:
+    return Field(description=f"{description} [{unit}]", json_schema_extra={"unit": unit}, **kw)
+
+
+# --- model profile --------------------------------------------------------------------------------
+
+
+class MoESpec(_Profile):
+    """Mixture-of-experts shape: which share of the weights one token touches."""
+
+    num_experts: SourcedInt = Field(description="routed experts per MoE layer")
+    experts_per_token: SourcedInt = Field(description="routed experts each token uses (top-k)")
+    expert_params: Sourced = _u("params", "parameters in all routed experts of all layers")
+
+
+class ModelProfile(_Profile):
+    """A transformer's shape: what sets its FLOPs, weight bytes and KV bytes."""
+
+    kind: Literal["model"] = Field(default="model", description="profile kind tag")
+    name: str = Field(description="profile name, e.g. 'qwen3-32b'")
+    description: str = Field(default="", description="what this is, in words")
+    num_layers: SourcedInt = _u("layers", "decoder layers (each keeps its own K and V)")
+    num_attention_heads: SourcedInt = _u("heads", "query heads")
+    num_kv_heads: SourcedInt = _u("heads", "key/value heads (GQA groups)")
+    head_dim: SourcedInt = _u("elements", "size of one attention head")
+    hidden_size: SourcedInt = _u("elements", "residual stream width")
+    intermediate_size: SourcedInt | None = _u("elements", "MLP width (documentation)", default=None)
+    vocab_size: SourcedInt = _u("tokens", "vocabulary size (LM head cost)")
+    total_params: Sourced = _u("params", "all parameters, embeddings included")
+    active_params: Sourced = _u(
+        "params", "parameters one token uses (dense: = total_params; MoE: fewer)"
+    )
+    embedding_params: Sourced = _u(
+        "params", "input embedding + LM head parameters (not matmuls per prompt token)"
+    )
+    moe: MoESpec | None = Field(default=None, description="set for mixture-of-experts models")
+    weight_dtype: Dtype = Field(default="bf16", description="dtype of the weights")
+    kv_dtype: Dtype = Field(default="bf16", description="dtype of the KV cache")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelProfile:
+        if self.num_attention_heads.value % self.num_kv_heads.value:
+            raise ValueError("num_attention_heads must be a multiple of num_kv_heads")
+        if self.active_params.value > self.total_params.value:
+            raise ValueError("active_params cannot exceed total_params")
+        if self.embedding_params.value >= self.active_params.value:
+            raise ValueError("embedding_params must be smaller than active_params")
+        return self
+
+
+# --- hardware profile -----------------------------------------------------------------------------
+
+
+class DeviceSpec(_Profile):
+    """One accelerator, from its datasheet."""
+
+    name: str = Field(description="marketing name of the device")
+    peak_flops_bf16: Sourced = _u("FLOP/s", "dense bf16/fp16 tensor throughput (no sparsity)")
+    peak_flops_fp8: Sourced | None = _u("FLOP/s", "dense fp8 tensor throughput", default=None)
+    hbm_bandwidth: Sourced = _u("B/s", "device memory bandwidth")
+    hbm_capacity: Sourced = _u("B", "device memory capacity")
+
+
+class Achievable(_Profile):
+    """What a real serving engine gets out of the datasheet numbers on this machine."""
+
+    compute_utilization: Sourced = _u("fraction", "share of peak FLOP/s prefill matmuls reach")
+    memory_bandwidth_utilization: Sourced = _u(
+        "fraction", "share of HBM bandwidth streaming reads (weights, KV) reach"
+    )
+
+
+class NodeSpec(_Profile):
+    devices_per_node: SourcedInt = _u("devices", "accelerators in one node")
+    tp_size: SourcedInt = _u("devices", "tensor-parallel size an instance uses by default")
+
+
+class TPCollective(_Profile):
+    """All-reduce inside a tensor-parallel group (two per layer per forward pass)."""
+
+    allreduce_latency: Sourced = _u("s", "fixed time of one small all-reduce")
+    allreduce_bandwidth: Sourced = _u("B/s", "algorithm bandwidth of a large all-reduce")
+
+
+class EngineCosts(_Profile):
+    """Serving-engine costs on this machine that no datasheet gives (fitted, see calibration)."""
+
+    step_overhead: Sourced = _u("s", "fixed time of one engine step (schedule, launch, sample)")
+    prefill_request_overhead: Sourced = _u(
+        "s", "per-request delay on the prefill path outside model steps (not holding the engine)"
+    )
+
+
+class LinkProfile(_Profile):
+    """One path KV can take between instances (network rails, or NVLink inside a node)."""
+
+    name: str = Field(description="e.g. 'efa' or 'nvlink'")
+    bandwidth_per_rail: Sourced = _u("B/s", "line rate of one rail")
+    rails_per_device: SourcedInt = _u("rails", "rails one device's KV is registered on")
+    utilization: Sourced = _u("fraction", "share of the line rate a NIXL transfer reaches")
+    latency: Sourced = _u("s", "one-way latency of a small message")
+    post_fixed: Sourced = _u("s", "fixed cost of posting one transfer (on the posting thread)")
+    post_per_descriptor: Sourced = _u("s", "posting cost per descriptor (on the posting thread)")
+    wire_per_descriptor: Sourced = _u(
+        "s", "per-descriptor execution cost on the transport once posted (message-rate bound)"
+    )
+
+
+class NixlCosts(_Profile):
+    """NIXL agent costs: preparation, handshake, one-time set-up (SPEC.md section 5)."""
+
+    prep_fixed: Sourced = _u("s", "make_prepped_xfer fixed cost per request")
+    prep_per_descriptor: Sourced = _u("s", "make_prepped_xfer cost per descriptor")
+    unprepped_per_descriptor: Sourced = _u(
+        "s", "building descriptor lists + initialize_xfer per descriptor (no prepped handles)"
+    )
+    dlist_prep_per_descriptor: Sourced = _u(
+        "s", "one-time preparation of a peer's descriptor list, per descriptor (at handshake)"
+    )
+    add_remote_agent: Sourced = _u("s", "loading a peer's agent metadata (first contact)")
+    agent_init: Sourced = _u("s", "creating the NIXL agent (start-up, off the request path)")
+    register_per_byte: Sourced = _u("s/B", "memory registration per byte (start-up)")
+    reuse_read_setup: Sourced = _u(
+        "s", "fixed coordination time of a D->P reuse read (async receive, pin, completion)"
+    )
+
+
+class HardwareProfile(_Profile):
+    """A machine type as the simulator needs it: compute, memory, collectives, links, NIXL."""
+
+    kind: Literal["hardware"] = Field(default="hardware", description="profile kind tag")
+    name: str = Field(description="profile name, e.g. 'p5en-h200-tp8'")
+    description: str = Field(default="", description="what this is, in words")
+    device: DeviceSpec = Field(description="the accelerator")
+    achievable: Achievable = Field(description="achievable fractions of the datasheet numbers")
+    node: NodeSpec = Field(description="devices per node and default TP size")
+    tp_collective: TPCollective = Field(description="all-reduce cost inside a TP group")
+    engine: EngineCosts = Field(description="serving-engine fixed costs")
+    links: dict[str, LinkProfile] = Field(
+        description="KV paths by role: 'network' (between nodes) and optionally 'nvlink'"
+    )
+    nixl: NixlCosts = Field(description="NIXL preparation, handshake and set-up costs")
+
+    @field_validator("links")
+    @classmethod
+    def _need_network(cls, links: dict[str, LinkProfile]) -> dict[str, LinkProfile]:
+        unknown = set(links) - {"network", "nvlink"}
+        if unknown:
+            raise ValueError(f"links may be 'network' and 'nvlink', not {sorted(unknown)}")
+        if "network" not in links:
+            raise ValueError("links needs a 'network' entry (the path between nodes)")
+        return links
+
+    @model_validator(mode="after")
+    def _tp_fits(self) -> HardwareProfile:
+        if self.node.tp_size.value > self.node.devices_per_node.value:
+            raise ValueError("node.tp_size cannot exceed node.devices_per_node")
+        return self
+
+
+PROFILE_TYPES: dict[str, type[ModelProfile | HardwareProfile]] = {
+    "model": ModelProfile,
+    "hardware": HardwareProfile,
+}
+Profile = ModelProfile | HardwareProfile
+_PROFILES_PACKAGE = "kvplane.scenarios"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def bundled_profile_names(kind: Literal["model", "hardware"] | None = None) -> list[str]:
+    """Names of the profiles shipped in kvplane.scenarios/profiles (of one kind, if given)."""
+    folder = resources.files(_PROFILES_PACKAGE).joinpath("profiles")
+    names = []
+    for entry in folder.iterdir():
+        if not entry.name.endswith(".yaml"):
+            continue
+        if kind is not None:
+            head = yaml.safe_load(entry.read_text(encoding="utf-8")) or {}
+            if not isinstance(head, dict) or head.get("kind") != kind:
+                continue
+        names.append(entry.name[: -len(".yaml")])
+    return sorted(names)
+
+
+def _profile_text(path_or_name: str | Path) -> tuple[str, str]:
+    text_name = str(path_or_name)
+    if isinstance(path_or_name, Path) or "/" in text_name or text_name.endswith(".yaml"):
+        path = Path(path_or_name)
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except OSError as exc:
+            raise ScenarioError(str(path), [("", "a readable profile file", str(exc), None)]) from None
+    if not _NAME_RE.match(text_name):
+        raise ScenarioError(text_name, [("", "a profile name or path", repr(text_name), None)])
+    entry = resources.files(_PROFILES_PACKAGE).joinpath("profiles", f"{text_name}.yaml")
+    if not entry.is_file():
+        names = ", ".join(bundled_profile_names()) or "(none)"
+        raise ScenarioError(
+            text_name, [("", f"the name of a bundled profile ({names}) or a path", None, None)]
+        )
+    return entry.read_text(encoding="utf-8"), f"profiles/{text_name}.yaml"
+
+
+def load_profile(
+    path_or_name: str | Path, kind: Literal["model", "hardware"] | None = None
+) -> ModelProfile | HardwareProfile:
+    """Read a profile file (or a bundled profile by name) and validate it.
+
+    Raises ScenarioError naming the file, the field and what was expected: for YAML syntax, a
+    missing `source:`, a wrong unit, a wrong type, or a profile of the other kind.
+    """
+    text, file = _profile_text(path_or_name)
+    data, positions = read_yaml(text, file)
+    return profile_from_data(data, file, positions, kind)
+
+
+def profile_from_data(
+    data: Any,
+    file: str,
+    positions: _Positions | None = None,
+    kind: Literal["model", "hardware"] | None = None,
+    prefix: tuple[int | str, ...] = (),
+) -> ModelProfile | HardwareProfile:
+    """Validate already-parsed profile data (used for inline profiles in a scenario too)."""
+    where = _dotted(prefix, ("kind",))
+    line = positions.line_of((*prefix, "kind")) if positions else None
+    if not isinstance(data, dict):
+        raise ScenarioError(file, [(_dotted(prefix, ()), "a mapping (a profile)", _short(data),
+                                    line)])
+    found = data.get("kind", kind)
+    if found not in PROFILE_TYPES:
+        raise ScenarioError(file, [(where, "'model' or 'hardware'", _short(found), line)])
+    if kind is not None and found != kind:
+        raise ScenarioError(file, [(where, f"a {kind} profile", repr(found), line)])
+    cls = PROFILE_TYPES[found]
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise scenario_error_from_validation(exc, file, positions, prefix, cls) from None
+
