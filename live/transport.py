@@ -1,0 +1,602 @@
+"""NIXL transport: the one small interface through which the live connector (and its tests) move
+KV bytes between two processes.
+
+How it works:
+- One `Transport` per process (per worker): it owns one NIXL agent with the UCX backend. Making
+  an agent costs 0.5-2 s, so make it once, at start-up.
+- `register(buffer)` registers host memory ("DRAM": a numpy array or CPU torch tensor) or GPU
+  memory ("VRAM": a CUDA torch tensor; exercised once on an H200, two processes, nixl-cu13).
+  All regions of one transport are of one kind. Byte offsets address the regions laid end to
+  end in registration order (`register` returns where the new region starts), so the connector
+  can name any byte of any layer by one integer.
+- Handshake, out of band (the caller carries the bytes: a side channel, a pipe): each side sends
+  `local_info()` (NIXL agent metadata plus our region layout) and the other calls `add_peer`.
+  Register everything before the first `local_info()`/`add_peer`: after that the layout is frozen.
+- `add_peer` prepares both descriptor lists once per peer (`prep_xfer_dlist`), cut into granules
+  of gcd(our granule, peer's granule) bytes. A transfer then only picks indices
+  (`make_prepped_xfer`): cheap per request. Runs `(local_offset, remote_offset, length)` are
+  merged first where they continue each other on both sides; NIXL merges adjacent granules again.
+  Every offset and length must be a multiple of that granule.
+- `post` starts a WRITE (local -> peer) or READ (peer -> local) and returns a `Transfer`;
+  `wait`/`poll` finish it. A WRITE's notification message reaches the peer only after its data
+  has landed: the target treats the notification as completion (`wait_notification`).
+
+Rules:
+- nixl (and numpy, torch) are imported inside functions, so `import kvplane.live.transport`
+  works where nixl is not installed; making a `Transport` then raises `NixlUnavailable`.
+- With the progress thread off (the default: on 2 cores it crowds out everything else), NIXL
+  moves only while someone calls into it. BOTH sides must keep polling (`poll`, `wait`,
+  `notifications`, `progress`): a target blocked elsewhere (say, on a socket read) stalls even
+  the initiator's first WRITE.
+- Failures and time-outs come back as values (`TransferResult` with status FAILED or TIMED_OUT
+  and a reason), never as exceptions into an engine loop. Exceptions are kept for our own misuse
+  (`TransportError`: bad runs, registering after the handshake) and for a peer whose handshake
+  bytes cannot be loaded (`PeerError`), both at set-up time.
+- A peer that died shows up as FAILED at once (UCX reports the disconnect); a live peer that
+  stops polling shows up as TIMED_OUT.
+- A timed-out transfer's handle is released (which asks NIXL to cancel it); a backend that still
+  writes afterwards writes into memory the caller must keep registered until `close()`.
+- One thread at a time per transport unless made with `thread_safe=True` (NIXL's strict sync
+  mode); our own bookkeeping is always under a lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal, Self
+
+from kvplane.core.errors import PeerError
+from kvplane.live.nixl_env import import_nixl_api, nixl_errors
+
+Op = Literal["WRITE", "READ"]
+MemKind = Literal["DRAM", "VRAM"]
+RunLike = tuple[int, int, int]
+# A sequence of runs, or an (N, 3) integer numpy array of them (the fast path).
+RunsLike = Any
+
+logger = logging.getLogger(__name__)
+
+INFO_VERSION = 1
+DEFAULT_GRANULE = 4096
+
+
+class TransportError(ValueError):
+    """Our side misused the transport (bad runs, registration after the handshake, ...)."""
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """`length` bytes from our `local_offset` to the peer's `remote_offset` (or back, for READ)."""
+
+    local_offset: int
+    remote_offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    address: int
+    length: int
+    device: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What one side tells the other at handshake: NIXL agent metadata plus the region layout."""
+
+    agent_name: str
+    agent_metadata: bytes
+    mem_kind: MemKind
+    granule: int
+    regions: tuple[Region, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(r.length for r in self.regions)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "v": INFO_VERSION,
+                "agent_name": self.agent_name,
+                "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
+                "mem_kind": self.mem_kind,
+                "granule": self.granule,
+                "regions": [[r.address, r.length, r.device] for r in self.regions],
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PeerInfo:
+        try:
+            d = json.loads(data)
+            if d["v"] != INFO_VERSION:
+                raise ValueError(f"handshake version {d['v']}, expected {INFO_VERSION}")
+            info = cls(
+                agent_name=str(d["agent_name"]),
+                agent_metadata=base64.b64decode(d["agent_metadata"]),
+                mem_kind=d["mem_kind"],
+                granule=int(d["granule"]),
+                regions=tuple(Region(int(a), int(n), int(dev)) for a, n, dev in d["regions"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PeerError(f"unreadable handshake: {exc}") from exc
+        if info.mem_kind not in ("DRAM", "VRAM") or info.granule <= 0:
+            raise PeerError(f"bad handshake: kind {info.mem_kind!r}, granule {info.granule}")
+        return info
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    status: Status
+    peer: str
+    op: str  # "WRITE", "READ" or "NOTIFY"
+    nbytes: int
+    descriptors: int  # after merging runs and cutting them at region boundaries
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.DONE
+
+
+@dataclass(frozen=True, slots=True)
+class Notification:
+    peer: str
+    message: bytes
+
+
+@dataclass(slots=True)
+class Transfer:
+    """A posted transfer. Finish it with `Transport.wait` (or `poll` until not PENDING)."""
+
+    peer: str
+    op: Op
+    nbytes: int
+    descriptors: int
+    handle: Any = None
+    result: TransferResult | None = None
+
+    def finish(self, status: Status, reason: str = "") -> TransferResult:
+        self.result = TransferResult(status, self.peer, self.op, self.nbytes, self.descriptors,
+                                     reason)
+        return self.result
+
+
+@dataclass(slots=True)
+class _Peer:
+    info: PeerInfo
+    granule: int
+    local_dlist: Any
+    remote_dlist: Any
+
+
+@dataclass(slots=True)
+class _Registered:
+    region: Region
+    keepalive: object  # the buffer, so its memory outlives the registration
+    reg_descs: Any = field(default=None)
+
+
+def merge_runs(runs: RunsLike) -> list[Run]:
+    """Sort runs by local offset and join those that continue each other on both sides."""
+    return [Run(int(lo), int(ro), int(n)) for lo, ro, n in _merged_array(runs)]
+
+
+def _merged_array(runs: RunsLike) -> Any:
+    """`merge_runs` as an (N, 3) int64 array, vectorised: a request can carry thousands of runs
+    and a Python loop over them would cost more than NIXL's own per-descriptor work."""
+    import numpy as np
+
+    if isinstance(runs, np.ndarray):
+        arr = runs.astype(np.int64, copy=False).reshape(-1, 3)
+    else:
+        arr = np.array([(r.local_offset, r.remote_offset, r.length) if isinstance(r, Run)
+                        else tuple(r) for r in runs], dtype=np.int64).reshape(-1, 3)
+    arr = arr[arr[:, 2] > 0]
+    if len(arr) < 2:
+        return arr
+    arr = arr[np.argsort(arr[:, 0], kind="stable")]
+    end = arr[:-1, 0] + arr[:-1, 2]
+    cont = (arr[1:, 0] == end) & (arr[1:, 1] == arr[:-1, 1] + arr[:-1, 2])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    out = arr[starts].copy()
+    out[:, 2] = np.add.reduceat(arr[:, 2], starts)
+    return out
+
+
+def count_descriptors(runs: RunsLike, local: Sequence[Region], remote: Sequence[Region]) -> int:
+    """Pieces the (merged) runs fall into once cut at either side's region boundaries."""
+    import numpy as np
+
+    arr = _merged_array(runs)
+    cuts_l = np.array(_boundaries(local)[:-1], dtype=np.int64)
+    cuts_r = np.array(_boundaries(remote)[:-1], dtype=np.int64)
+    lo, ro, n = arr[:, 0], arr[:, 1], arr[:, 2]
+    inner_l = np.searchsorted(cuts_l, lo + n, "left") - np.searchsorted(cuts_l, lo, "right")
+    inner_r = np.searchsorted(cuts_r, ro + n, "left") - np.searchsorted(cuts_r, ro, "right")
+    total = len(arr)
+    # Few runs cross a region boundary; count those exactly (a cut may fall at the same place
+    # on both sides).
+    for i in np.flatnonzero((inner_l > 0) | (inner_r > 0)):
+        a, b, m = int(lo[i]), int(ro[i]), int(n[i])
+        cuts = {int(c) - a for c in cuts_l if a < c < a + m}
+        cuts |= {int(c) - b for c in cuts_r if b < c < b + m}
+        total += len(cuts)
+    return total
+
+
+def _boundaries(regions: Sequence[Region]) -> list[int]:
+    out, pos = [], 0
+    for reg in regions:
+        pos += reg.length
+        out.append(pos)
+    return out
+
+
+def _describe_buffer(buffer: object) -> tuple[Region, MemKind]:
+    """Address, length, device and memory kind of a numpy array or torch tensor."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        if not buffer.is_contiguous():
+            raise TransportError("register a contiguous tensor")
+        nbytes = buffer.numel() * buffer.element_size()
+        if buffer.device.type == "cuda":
+            return Region(buffer.data_ptr(), nbytes, buffer.device.index or 0), "VRAM"
+        if buffer.device.type == "cpu":
+            return Region(buffer.data_ptr(), nbytes, 0), "DRAM"
+        raise TransportError(f"cannot register memory on device {buffer.device}")
+    import numpy as np
+
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise TransportError("register a C-contiguous array")
+        return Region(int(buffer.ctypes.data), int(buffer.nbytes), 0), "DRAM"
+    raise TransportError(f"cannot register a {type(buffer).__name__}: numpy array or tensor")
+
+
+class Transport:
+    """One NIXL agent (UCX), its registered regions, its peers and its notification inbox."""
+
+    def __init__(self, name: str, *, granule: int = DEFAULT_GRANULE,
+                 progress_thread: bool = False, thread_safe: bool = False) -> None:
+        if granule <= 0:
+            raise TransportError("granule must be positive")
+        api = import_nixl_api()
+        sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                       sync_mode=sync)
+        self._agent = api.nixl_agent(name, config)
+        self._errors = nixl_errors()
+        if "UCX" not in self._agent.backends:
+            raise TransportError("NIXL could not create its UCX backend here")
+        self.name = name
+        self.granule = granule
+        self._lock = threading.RLock()
+        self._regions: list[_Registered] = []
+        self._mem_kind: MemKind | None = None
+        self._frozen = False
+        self._local_dlists: dict[int, Any] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._inbox: list[Notification] = []
+
+    # ---- memory and handshake -------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Bytes registered: the local offset space is [0, size)."""
+        return sum(r.region.length for r in self._regions)
+
+    @property
+    def mem_kind(self) -> MemKind:
+        return self._mem_kind or "DRAM"
+
+    def register(self, buffer: object) -> int:
+        """Register a contiguous buffer; returns the offset where it starts in our offset space."""
+        region, kind = _describe_buffer(buffer)
+        with self._lock:
+            if self._frozen:
+                raise TransportError("register all memory before the handshake")
+            if self._mem_kind not in (None, kind):
+                raise TransportError(f"cannot mix {self._mem_kind} and {kind} regions")
+            if region.length % self.granule:
+                raise TransportError(
+                    f"region of {region.length} bytes is not a multiple of the granule "
+                    f"({self.granule})")
+            start = self.size
+            reg = _Registered(region, buffer)
+            reg.reg_descs = self._agent.register_memory(
+                [(region.address, region.length, region.device, "")], kind)
+            self._regions.append(reg)
+            self._mem_kind = kind
+            return start
+
+    def info(self) -> PeerInfo:
+        with self._lock:
+            self._frozen = True
+            return PeerInfo(self.name, bytes(self._agent.get_agent_metadata()), self.mem_kind,
+                            self.granule, tuple(r.region for r in self._regions))
+
+    def local_info(self) -> bytes:
+        """Our handshake bytes, for the peer's `add_peer`."""
+        return self.info().to_bytes()
+
+    def add_peer(self, info: bytes | PeerInfo) -> str:
+        """Load a peer's handshake and prepare both descriptor lists; returns the peer's name."""
+        peer_info = info if isinstance(info, PeerInfo) else PeerInfo.from_bytes(info)
+        with self._lock:
+            self._frozen = True
+            if not self._regions:
+                raise TransportError("register memory before adding a peer")
+            if peer_info.mem_kind != self.mem_kind:
+                # UCX can move DRAM<->VRAM, but one prepared pair of lists keeps one kind each;
+                # nothing here needs mixed kinds yet.
+                raise PeerError(f"peer memory is {peer_info.mem_kind}, ours {self.mem_kind}")
+            if peer_info.agent_name in self._peers:
+                self.remove_peer(peer_info.agent_name)
+            try:
+                loaded = self._agent.add_remote_agent(peer_info.agent_metadata)
+            except self._errors as exc:
+                raise PeerError(f"cannot load agent metadata of {peer_info.agent_name}: "
+                                f"{_why(exc)}") from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != peer_info.agent_name:
+                raise PeerError(f"metadata names agent {name}, handshake {peer_info.agent_name}")
+            granule = math.gcd(self.granule, peer_info.granule)
+            remote = self._agent.prep_xfer_dlist(
+                name, self._granules(peer_info.regions, granule), peer_info.mem_kind)
+            self._peers[name] = _Peer(peer_info, granule, self._local_dlist(granule), remote)
+            return name
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            p = self._peers.pop(peer, None)
+            if p is None:
+                return
+            self._quietly(p.remote_dlist.release)
+            self._quietly(self._agent.remove_remote_agent, peer)
+
+    def peers(self) -> list[str]:
+        with self._lock:
+            return list(self._peers)
+
+    # ---- transfers -------------------------------------------------------------------------
+
+    def post(self, peer: str, op: Op, runs: RunsLike, *,
+             notify: bytes = b"") -> Transfer:
+        """Start a WRITE or READ of the runs. Never raises for a peer or backend failure: the
+        returned transfer is then already finished with status FAILED."""
+        if op not in ("WRITE", "READ"):
+            raise TransportError(f"op must be WRITE or READ, not {op!r}")
+        merged = _merged_array(runs)
+        nbytes = int(merged[:, 2].sum())
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is None:
+                t = Transfer(peer, op, nbytes, 0)
+                t.finish(Status.FAILED, f"unknown peer {peer!r}")
+                return t
+            local_idx, remote_idx = self._indices(merged, p)
+            t = Transfer(peer, op, nbytes,
+                         count_descriptors(merged, [r.region for r in self._regions],
+                                           p.info.regions))
+            if not len(merged):
+                t.finish(Status.DONE)
+                return t
+            try:
+                t.handle = self._agent.make_prepped_xfer(op, p.local_dlist, local_idx,
+                                                         p.remote_dlist, remote_idx, notify)
+                state = self._agent.transfer(t.handle)
+            except self._errors as exc:
+                self._release(t)
+                t.finish(Status.FAILED, f"post failed: {_why(exc)}")
+                return t
+            if state == "ERR":
+                self._release(t)
+                t.finish(Status.FAILED, "NIXL reported an error when posting")
+            elif state == "DONE":
+                self._release(t)
+                t.finish(Status.DONE)
+            return t
+
+    def poll(self, transfer: Transfer) -> Status:
+        """One non-blocking look at a transfer; also drains notifications into the inbox."""
+        if transfer.result is not None:
+            return transfer.result.status
+        with self._lock:
+            self._drain()
+            try:
+                state = self._agent.check_xfer_state(transfer.handle)
+            except self._errors as exc:
+                state, reason = "ERR", f"state check failed: {_why(exc)}"
+            else:
+                reason = "NIXL reported an error (peer gone or unreachable?)"
+            if state == "PROC":
+                return Status.PENDING
+            self._release(transfer)
+            if state == "DONE":
+                transfer.finish(Status.DONE)
+            else:
+                transfer.finish(Status.FAILED, reason)
+            return transfer.result.status if transfer.result else Status.FAILED
+
+    def wait(self, transfer: Transfer, timeout: float) -> TransferResult:
+        """Poll until the transfer finishes or `timeout` seconds pass (then TIMED_OUT)."""
+        deadline = time.monotonic() + timeout
+        for pause in _backoff():
+            if self.poll(transfer) is not Status.PENDING:
+                break
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    self._release(transfer)
+                transfer.finish(Status.TIMED_OUT, f"not done after {timeout:g} s")
+                break
+            time.sleep(pause)
+        assert transfer.result is not None
+        return transfer.result
+
+    def transfer(self, peer: str, op: Op, runs: RunsLike, *,
+                 notify: bytes = b"", timeout: float = 30.0) -> TransferResult:
+        """`post` then `wait`."""
+        return self.wait(self.post(peer, op, runs, notify=notify), timeout)
+
+    # ---- notifications ---------------------------------------------------------------------
+
+    def send_notification(self, peer: str, message: bytes) -> TransferResult:
+        """A message not tied to a transfer (e.g. push mode's registration record)."""
+        with self._lock:
+            if peer not in self._peers:
+                return TransferResult(Status.FAILED, peer, "NOTIFY", len(message), 0,
+                                      f"unknown peer {peer!r}")
+            try:
+                self._agent.send_notif(peer, message)
+            except self._errors as exc:
+                return TransferResult(Status.FAILED, peer, "NOTIFY", len(message), 0,
+                                      f"send failed: {_why(exc)}")
+        return TransferResult(Status.DONE, peer, "NOTIFY", len(message), 0)
+
+    def progress(self) -> None:
+        """Let NIXL move (when the progress thread is off) and collect notifications."""
+        with self._lock:
+            self._drain()
+
+    def notifications(self) -> list[Notification]:
+        """Every notification received since the last call, oldest first."""
+        with self._lock:
+            self._drain()
+            out, self._inbox = self._inbox, []
+            return out
+
+    def wait_notification(self, message: bytes, timeout: float, *, peer: str | None = None,
+                          prefix: bool = False) -> Notification | None:
+        """Wait for one notification equal to (or starting with) `message`; None on time-out.
+        Other notifications stay in the inbox."""
+        deadline = time.monotonic() + timeout
+        for pause in _backoff():
+            with self._lock:
+                self._drain()
+                for i, n in enumerate(self._inbox):
+                    if peer is not None and n.peer != peer:
+                        continue
+                    if n.message == message or (prefix and n.message.startswith(message)):
+                        return self._inbox.pop(i)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(pause)
+        return None  # unreachable: _backoff never ends
+
+    # ---- teardown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Forget peers, release descriptor lists and deregister memory. Idempotent."""
+        with self._lock:
+            for name in list(self._peers):
+                self.remove_peer(name)
+            for dl in self._local_dlists.values():
+                self._quietly(dl.release)
+            self._local_dlists.clear()
+            for reg in self._regions:
+                if reg.reg_descs is not None:
+                    self._quietly(self._agent.deregister_memory, reg.reg_descs)
+                    reg.reg_descs = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        try:
+            new = self._agent.get_new_notifs()
+        except self._errors as exc:  # a broken peer connection must not break the caller's loop
+            logger.debug("%s: reading notifications failed: %s", self.name, _why(exc))
+            return
+        for name, messages in new.items():
+            peer = name.decode() if isinstance(name, bytes) else str(name)
+            self._inbox.extend(Notification(peer, bytes(m)) for m in messages)
+
+    def _local_dlist(self, granule: int) -> Any:
+        if granule not in self._local_dlists:
+            self._local_dlists[granule] = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", self._granules([r.region for r in self._regions], granule),
+                self.mem_kind)
+        return self._local_dlists[granule]
+
+    @staticmethod
+    def _granules(regions: Sequence[Region], granule: int) -> Any:
+        """Nx3 (address, length, device) rows: every region cut into granules, in order."""
+        import numpy as np
+
+        parts = []
+        for reg in regions:
+            n = reg.length // granule
+            rows = np.empty((n, 3), dtype=np.uint64)
+            rows[:, 0] = reg.address + np.arange(n, dtype=np.uint64) * np.uint64(granule)
+            rows[:, 1] = granule
+            rows[:, 2] = reg.device
+            parts.append(rows)
+        return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+
+    def _indices(self, runs: Any, p: _Peer) -> tuple[Any, Any]:
+        """Granule indices of merged runs, for both prepared lists (vectorised)."""
+        import numpy as np
+
+        g = p.granule
+        lo, ro, n = runs[:, 0], runs[:, 1], runs[:, 2]
+        bad = ((lo % g) | (ro % g) | (n % g)).astype(bool) | (lo < 0) | (ro < 0)
+        if bad.any():
+            raise TransportError(f"{Run(*map(int, runs[bad][0]))} is not aligned to the "
+                                 f"{g}-byte granule")
+        if len(runs) and (int((lo + n).max()) > self.size or int((ro + n).max()) > p.info.size):
+            raise TransportError(f"a run goes past the registered memory (local {self.size}, "
+                                 f"remote {p.info.size})")
+        counts = n // g
+        total = int(counts.sum())
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        local = (np.repeat(lo // g, counts) + within).astype(np.int32)
+        remote = (np.repeat(ro // g, counts) + within).astype(np.int32)
+        return local, remote
+
+    def _release(self, transfer: Transfer) -> None:
+        h, transfer.handle = transfer.handle, None
+        if h is not None:
+            self._quietly(h.release)
+
+    def _quietly(self, fn: Any, *args: Any) -> None:
+        """Clean-up that may fail (a peer already gone, a transfer NIXL cannot cancel)."""
+        try:
+            fn(*args)
+        except self._errors as exc:
+            logger.debug("%s: clean-up %s failed: %s", self.name,
+                         getattr(fn, "__name__", fn), _why(exc))
+
+
+def _backoff() -> Iterable[float]:
+    """Sleep lengths for a polling loop: spin briefly, then yield the core (few cores here)."""
+    pause = 0.0
+    while True:
+        yield pause
+        pause = min(0.001, max(pause * 2, 0.00002))
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
