@@ -217,7 +217,8 @@ def test_adjacent_runs_merge_into_fewer_descriptors(parent: tuple[Transport, np.
     assert peer.ask(transport, "bytes", 400 * G, 64 * G) == buf[: 64 * G].tobytes()
     assert peer.ask(transport, "bytes", 500 * G, 24 * G) == buf[64 * G: 88 * G].tobytes()
     for i in range(64):
-        assert peer.ask(transport, "bytes", (700 + 2 * i) * G, G) == buf[i * G:(i + 1) * G].tobytes()
+        landed = peer.ask(transport, "bytes", (700 + 2 * i) * G, G)
+        assert landed == buf[i * G:(i + 1) * G].tobytes()
 
 
 def test_scattered_runs_both_ways(parent: tuple[Transport, np.ndarray], peer: Peer) -> None:
