@@ -1,15 +1,188 @@
-"""The one `kvplane` command. Each sub-command imports its room lazily, so `--help` is fast."""
+"""The one `kvplane` command. Each sub-command imports its room lazily, so `--help` is fast.
+
+Where things go: the store is `--db URL` or `$KVPLANE_DB`, else `./kvplane.db` (SQLite).
+"""
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
 app = typer.Typer(
-    help="kvplane: plan, run and see KV-cache movement in vLLM prefill/decode disaggregation.",
+    help=(
+        "kvplane: plan, run and see KV-cache movement in vLLM prefill/decode disaggregation.\n\n"
+        "plan: `kvplane sim run`, `kvplane plan`, `kvplane validate` (SimPy simulator).\n"
+        "see: `kvplane runs`, `kvplane replay` (event store: SQLite by default, PostgreSQL by "
+        "URL).\n\nThe store is --db URL, else $KVPLANE_DB, else ./kvplane.db."
+    ),
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
 )
+sim_app = typer.Typer(help="The simulator: run scenarios (YAML) and sweeps.", no_args_is_help=True)
+app.add_typer(sim_app, name="sim")
+
+DbOpt = Annotated[
+    Optional[str],  # noqa: UP045 (typer needs Optional on 3.11)
+    typer.Option("--db", help="Event store URL (sqlite:///file.db or postgresql+psycopg://...)."),
+]
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@sim_app.command("run")
+def sim_run(
+    scenario: Annotated[str, typer.Argument(help="Scenario YAML file, or a bundled name "
+                                            "(seed_push_vs_pull, seed_bidirectional).")],
+    db: DbOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="Write the summary JSON here.")] = None,  # noqa: UP045
+    seed: Annotated[Optional[int], typer.Option(help="Override the scenario's seed.")] = None,  # noqa: UP045
+    jobs: Annotated[int, typer.Option(help="Sweep points run in parallel processes.")] = 0,
+    no_record: Annotated[bool, typer.Option("--no-record",
+                                            help="Do not write events to the store.")] = False,
+) -> None:
+    """Run every point of a scenario's sweep, record every core event, print a summary."""
+    from kvplane.sim.config import ScenarioError
+    from kvplane.sim.runner import run_scenario
+
+    try:
+        summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record)
+    except ScenarioError as exc:
+        _fail(str(exc))
+        return
+    from kvplane.sim.report import points_table
+
+    typer.echo(points_table(summary["points"]))
+    if summary.get("run_id"):
+        typer.echo(f"\nrun {summary['run_id']} recorded in {summary['db']}")
+    if out is not None:
+        out.write_text(json.dumps(summary, indent=2))
+        typer.echo(f"summary written to {out}")
+
+
+@app.command()
+def validate(
+    out: Annotated[Optional[Path], typer.Option(help="Also write the table as Markdown here "  # noqa: UP045
+                                                "(e.g. docs/validation.md).")] = None,
+    jobs: Annotated[int, typer.Option(help="Parallel processes.")] = 0,
+) -> None:
+    """Simulate the published experiments and print published vs simulated, with the error."""
+    from kvplane.sim.validate import run_validation
+
+    ok, text = run_validation(jobs=jobs)
+    typer.echo(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    if not ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def plan(
+    scenario: Annotated[str, typer.Argument(help="Scenario YAML giving model, hardware and "
+                                            "workload (its sweep is ignored).")],
+    ttft_p90_ms: Annotated[float, typer.Option(help="SLO: p90 TTFT in ms.")] = 1000.0,
+    tpot_p90_ms: Annotated[float, typer.Option(help="SLO: p90 TPOT in ms.")] = 50.0,
+    qps: Annotated[Optional[float], typer.Option(help="Load to plan for (default: the "  # noqa: UP045
+                                                 "scenario's highest).")] = None,
+    max_instances: Annotated[int, typer.Option(help="Largest xPyD total to try.")] = 8,
+    jobs: Annotated[int, typer.Option(help="Parallel processes.")] = 0,
+) -> None:
+    """Search xPyD and connector settings for the cheapest configuration meeting an SLO."""
+    from kvplane.sim.config import ScenarioError
+    from kvplane.sim.planner import search
+
+    try:
+        text, found = search(scenario, ttft_p90_ms=ttft_p90_ms, tpot_p90_ms=tpot_p90_ms,
+                             qps=qps, max_instances=max_instances, jobs=jobs)
+    except ScenarioError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(text)
+    if not found:
+        raise typer.Exit(1)
+
+
+@app.command()
+def runs(db: DbOpt = None) -> None:
+    """List the runs in the event store."""
+    from kvplane.store import open_store
+
+    with open_store(db) as store:
+        rows = store.runs()
+        if not rows:
+            typer.echo(f"no runs in {store.url}")
+            return
+        for r in rows:
+            typer.echo(f"{r.id}  {r.kind:<6} {str(r.started)[:19]}  events={store.count(r.id):<8}"
+                       f" {r.scenario}" + (f"  parent={r.parent}" if r.parent else ""))
+
+
+@app.command()
+def replay(
+    run: Annotated[str, typer.Argument(help="Run id (see `kvplane runs`); `latest` for the "
+                                       "newest.")],
+    db: DbOpt = None,
+    final: Annotated[bool, typer.Option(help="Also require the run to be quiescent: no "
+                                        "leaked blocks, no transfer left in flight.")] = True,
+) -> None:
+    """Rebuild a run's state through the core and check every invariant.
+
+    Exits non-zero when an invariant is violated, printing each violation with its event.
+    """
+    from kvplane.core.replay import replay as do_replay
+    from kvplane.store import RunNotFound, open_store
+
+    with open_store(db) as store:
+        if run == "latest":
+            all_runs = store.runs()
+            if not all_runs:
+                _fail(f"no runs in {store.url}")
+            run = max(all_runs, key=lambda r: r.started).id
+        try:
+            info = store.run(run)
+        except RunNotFound as exc:
+            _fail(str(exc))
+            return
+        report = do_replay(store.events(run), final=final)
+    st = report.state
+    typer.echo(f"run {run} ({info.kind}, {info.scenario}): {st.events} events replayed")
+    typer.echo(f"  transfers planned: {len(st.planned)}, leases still live: {len(st.leases)}, "
+               f"sessions: {len(st.sessions.handles)}")
+    if report.ok:
+        typer.secho("  no invariant violated", fg=typer.colors.GREEN)
+        return
+    typer.secho(f"  {len(report.violations)} violation(s):", fg=typer.colors.RED)
+    for v in report.violations[:50]:
+        typer.echo(f"  {v}")
+    raise typer.Exit(1)
+
+
+@app.command()
+def demo(db: DbOpt = None) -> None:
+    """Reproduce push vs pull on the embedded defaults and leave the run in the store.
+
+    Runs the bundled seed_push_vs_pull scenario on SQLite (./kvplane.db) and prints the
+    comparison with the published figures.
+    """
+    from kvplane.sim.report import comparison_table
+    from kvplane.sim.runner import run_scenario
+
+    summary = run_scenario("seed_push_vs_pull", db=db, record=True)
+    typer.echo(comparison_table(summary))
+    typer.echo(f"\nrun {summary['run_id']} recorded in {summary['db']}")
+    typer.echo(f"check it:  kvplane replay {summary['run_id']}")
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

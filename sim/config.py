@@ -110,6 +110,13 @@ class EngineSettings(_Config):
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0.0, le=1.0, description="share of device memory vLLM may use"
     )
+    pool_run_blocks: float | None = Field(
+        default=None, gt=1.0,
+        description="fragmentation of a long-running decode server's block pool: the mean "
+        "length, in blocks, of the contiguous runs it hands out (null: a fresh pool hands out "
+        "free blocks in order). Descriptors per transfer = runs x layers x 2, so this sets what "
+        "a transfer costs to prepare and post",
+    )
     activation_reserve_bytes: float = Field(
         default=4.0e9, ge=0.0,
         description="per-device memory kept for activations, CUDA graphs and communication "
@@ -200,6 +207,12 @@ class ConnectorSettings(_Config):
         description="instances have already met when the run starts (the published sweeps ran "
         "many points on long-lived servers), so the one-time NIXL handshake, seconds for a "
         "large pool, is not paid by the first request",
+    )
+    reuse_read_run_blocks: float | None = Field(
+        default=None, ge=1.0,
+        description="mean contiguous run, in blocks, of the retained blocks a D->P reuse read "
+        "covers (null: the runs the core plans from the actual block ids). Retained KV is read "
+        "long after it was written, from a pool that has churned since",
     )
     pull_hold_lease_s: float = Field(
         default=30.0, gt=0.0,

@@ -119,7 +119,8 @@ def test_multi_turn_axes_map_to_conversation_fields() -> None:
     s = load_scenario("seed_bidirectional")
     points = s.points()
     assert [p.bidirectional for p in points] == [False, True]
-    assert points[1].label == "pull_bidi_qps0.05_iter0"
+    rate = s.workload.conversation_rate  # type: ignore[union-attr]
+    assert points[1].label == f"pull_bidi_qps{rate:g}_iter0"
 
 
 # --- errors name the file, the field and what was expected ----------------------------------------

@@ -1,0 +1,805 @@
+"""The SimPy driver: prefill and decode engine loops, the router and the links, all deciding
+through `kvplane.core`.
+
+Rules kept here:
+- Every protocol decision is made by a core machine (`PrefillCore`, `DecodeCore`,
+  `SessionTable`, `decide_reuse`, `routing.choose`), called with `now = env.now`; the simulator
+  only moves time, hands out block ids and carries messages. Every event the core returns, and
+  every observation (arrival, first token, finish, engine stall), goes to the recorder.
+- Costs come from a `Costs` object built from profiles; nothing here knows a GPU or a model.
+- Pull mode prepares descriptors inside decode's engine loop (unless `pull_reader_thread`): the
+  preparation is a stall added to decode's next step, delaying every running request. Push
+  mode prepares them on prefill's background transfer thread, which never delays model steps.
+- Decode runs in macro-steps: while its batch does not change it advances many steps in one
+  SimPy timeout; a request joining or a stall arriving wakes it, and the batch changes at the
+  next step boundary. The cost is per request, not per token, so runs are far faster than
+  real time.
+- Timers (lease expiry, KV waits, heartbeats) are plain SimPy timeout callbacks, not
+  processes, and each one re-checks the core's state when it fires.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import simpy
+
+from kvplane.core import decode as D
+from kvplane.core import prefill as P
+from kvplane.core import sessions as S
+from kvplane.core.events import (
+    BlocksFreed,
+    EngineStalled,
+    Event,
+    FirstTokenEmitted,
+    KVLoadFailed,
+    KVReceived,
+    LeaseGranted,
+    LeasePinned,
+    LeaseRenewed,
+    MetadataRelayed,
+    PrefillStarted,
+    RegistrationDropped,
+    RegistrationSent,
+    RequestArrived,
+    RequestFinished,
+    RequestRouted,
+    ReuseDecided,
+    SessionDropped,
+    SessionTaken,
+    TransferPlanned,
+)
+from kvplane.core.lease import BeginRead, EndRead, Heartbeat, Release
+from kvplane.core.lease import Tick as LeaseTick
+from kvplane.core.plan import KVLayout, fan_out
+from kvplane.core.reuse import RetainedHandle
+from kvplane.core.routing import Load, Policy, choose
+
+Record = Callable[[Event], None]
+
+
+class Costs(Protocol):
+    """What the engine needs to know about time. Built from model and hardware profiles."""
+
+    def prefill_time(self, new_tokens: int, cached_tokens: int) -> float: ...
+    def decode_step_time(self, batch: int, context_tokens: int) -> float: ...
+    def descriptor_prep_time(self, descriptors: int, inline: bool) -> float: ...
+    def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float: ...
+    def handshake_time(self) -> float: ...
+    def message_latency(self) -> float: ...
+    def request_overhead(self) -> float: ...
+    def reuse_read_setup(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    mode: Literal["push", "pull"] = "push"
+    bidirectional: bool = False
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill_layout: KVLayout = KVLayout(16, 8, 64, 8, 256)  # noqa: RUF009 (frozen, immutable)
+    decode_layout: KVLayout = KVLayout(16, 8, 64, 8, 256)  # noqa: RUF009
+    prefill_blocks: int = 100_000
+    decode_blocks: int = 100_000
+    pool_run_blocks: float | None = None
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 8192
+    decode_policy: Policy = Policy("least_loaded")  # noqa: RUF009
+    prefill_policy: Policy = Policy("least_loaded")  # noqa: RUF009
+    prefill_prefix_caching: bool = False
+    ttl: float = 480.0
+    renewable: bool = False
+    heartbeat_interval: float = 5.0
+    heartbeat_extension: float = 20.0
+    idle_after: float = 60.0
+    recompute_threshold: int = 64
+    read_margin: float = 0.05
+    hold_ttl: float = 30.0
+    hold_heartbeat: float = 5.0
+    hold_extension: float = 20.0
+    kv_timeout: float = 480.0
+    handshake_at_start: bool = True
+    pull_reader_thread: bool = False
+    reuse_read_run_blocks: float | None = None
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class SimRequest:
+    id: str
+    arrival: float
+    prompt: int
+    output: int
+    conversation: str | None = None
+    tenant: str = "default"
+    turn: int = 0
+    hashes: np.ndarray | None = None  # one uint64 per full prompt block (prefix identity)
+    retained_hashes: np.ndarray | None = None  # prompt + output: what decode keeps for reuse
+    on_done: Callable[[SimRequest], None] | None = None
+    prefill: str = ""
+    decode: str = ""
+    dispatched: float = -1.0
+    prefill_received: float = -1.0
+    prefill_start: float = -1.0
+    prefill_end: float = -1.0
+    compute_s: float = 0.0
+    reuse_read_s: float = 0.0
+    reuse_outcome: str = ""
+    runs: int = 0
+    transfer_start: float = -1.0
+    transfer_end: float = -1.0
+    kv_ready: float = -1.0
+    first_token: float = -1.0
+    finish: float = -1.0
+    done_tokens: int = 0
+    stall_s: float = 0.0
+    cached: int = 0
+    ok: bool = True
+    itl: list[tuple[float, int]] = field(default_factory=list)
+
+
+def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
+    """The core's block-hash chain (strings) from the workload's per-block uint64 hashes."""
+    if hashes is None:
+        return ()
+    return tuple(format(h, "016x") for h in hashes.tolist())
+
+
+class BlockPool:
+    """Block ids of one instance.
+
+    Free blocks form a queue (freed blocks go to the back). With `run_blocks`, allocation cuts
+    what it hands out into contiguous runs of geometric length with that mean, the
+    fragmentation of a long-running server's pool; without it a fresh pool hands out in order.
+    """
+
+    def __init__(self, n: int, run_blocks: float | None, seed: int) -> None:
+        self.free: deque[int] = deque(range(n))
+        self.capacity = n
+        self.run_blocks = run_blocks
+        self.rng = np.random.default_rng(seed)
+
+    def take(self, n: int) -> tuple[int, ...] | None:
+        if n > len(self.free):
+            return None
+        free = self.free
+        if self.run_blocks is None:
+            return tuple(free.popleft() for _ in range(n))
+        out: list[int] = []
+        lengths = self.rng.geometric(1.0 / self.run_blocks, size=n).tolist()
+        for length in lengths:
+            take = min(length, n - len(out))
+            out.extend(free.popleft() for _ in range(take))
+            if len(out) >= n:
+                break
+            if len(free) > n - len(out):
+                free.rotate(-1)  # skip one free block: the next run starts elsewhere
+        return tuple(out)
+
+    def give(self, blocks: tuple[int, ...]) -> None:
+        self.free.extend(blocks)
+
+
+class Instance:
+    def __init__(self, sim: Simulation, name: str, layout: KVLayout, blocks: int,
+                 run_blocks: float | None = None) -> None:
+        self.sim, self.name, self.layout = sim, name, layout
+        self.pool = BlockPool(blocks, run_blocks, sim.seed_for(name))
+        self.wake = sim.env.event()
+        self.nic = simpy.Resource(sim.env, capacity=1)
+        self.peers: set[str] = set()
+        self.core: Any = None
+
+    def poke(self) -> None:
+        if not self.wake.triggered:
+            self.wake.succeed()
+
+    def _rearm(self) -> None:
+        if self.wake.triggered:
+            self.wake = self.sim.env.event()
+
+    def connect(self, peer: str) -> float:
+        """Handshake on first contact with a peer, nothing afterwards."""
+        if peer in self.peers or self.sim.cfg.handshake_at_start:
+            return 0.0
+        self.peers.add(peer)
+        return self.sim.costs.handshake_time()
+
+    def do(self, cmd: Any) -> list[Event]:
+        events = self.sim.do(self.core, cmd)
+        freed = False
+        for e in events:
+            if isinstance(e, BlocksFreed) and e.instance == self.name:
+                self.pool.give(e.blocks)
+                freed = True
+        if freed:
+            self.on_freed()
+        return events
+
+    def on_freed(self) -> None:
+        self.poke()
+
+    def expire_at(self, lease: str, at: float) -> None:
+        """Run a lease tick when `lease` may be due; the core decides whether it is."""
+
+        def fire(_: Any) -> None:
+            if lease in self.core.leases.leases:
+                self.do(LeaseTick(lease))
+
+        self.sim.env.timeout(max(at - self.sim.env.now, 0.0)).callbacks.append(fire)
+
+
+class PrefillInstance(Instance):
+    def __init__(self, sim: Simulation, name: str) -> None:
+        cfg = sim.cfg
+        super().__init__(sim, name, cfg.prefill_layout, cfg.prefill_blocks)
+        self.core = P.PrefillCore(name, cfg.prefill_layout, cfg.kv_timeout)
+        self.queue: deque[SimRequest] = deque()
+        self.transfer_thread = simpy.Resource(sim.env, capacity=1)
+        self.cache: OrderedDict[int, None] = OrderedDict()  # prefix cache: block hash -> present
+        self.busy = 0
+        sim.env.process(self.loop())
+
+    def submit(self, r: SimRequest) -> None:
+        """The prefill leg arrives; the per-request overhead (HTTP, tokenizer, scheduling
+        round trips: calibrated, holds no engine) passes before it can be scheduled."""
+        r.prefill_received = self.sim.env.now
+
+        def enqueue(_: Any) -> None:
+            self.queue.append(r)
+            self.poke()
+
+        self.sim.env.timeout(self.sim.costs.request_overhead()).callbacks.append(enqueue)
+
+    def local_hits(self, r: SimRequest) -> int:
+        """Tokens of the prompt found in this instance's prefix cache (whole leading blocks)."""
+        if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
+            return 0
+        n = 0
+        for h in r.hashes.tolist():
+            if h not in self.cache:
+                break
+            n += 1
+        bs = self.layout.block_size
+        return min(n * bs, max(r.prompt - 1, 0) // bs * bs)
+
+    def remember(self, r: SimRequest) -> None:
+        if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
+            return
+        cache = self.cache
+        for h in r.hashes.tolist():
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > self.pool.capacity:
+            cache.popitem(last=False)
+
+    def loop(self) -> Iterator[Any]:
+        env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
+        bs = self.layout.block_size
+        while True:
+            if not self.queue:
+                self._rearm()
+                yield self.wake
+                continue
+            r = self.queue[0]
+            blocks = self.pool.take(-(-r.prompt // bs))
+            if blocks is None:
+                self._rearm()
+                yield self.wake
+                continue
+            self.queue.popleft()
+            self.busy += 1
+            r.prefill_start = env.now
+            self.do(P.Allocate(r.id, 0, blocks))
+            cached = self.local_hits(r)
+            if cfg.bidirectional and r.conversation is not None:
+                cached = yield from self.sim.router.reuse(self, r, cached)
+            r.cached = cached
+            self.sim.rec(PrefillStarted(at=env.now, instance=self.name, request=r.id,
+                                        computed_tokens=r.prompt - cached, cached_tokens=cached))
+            t, done = 0.0, cached
+            while done < r.prompt:  # chunked prefill: chunks of the step's token budget
+                chunk = min(cfg.max_num_batched_tokens, r.prompt - done)
+                t += costs.prefill_time(chunk, done)
+                done += chunk
+            r.compute_s = t
+            yield env.timeout(t)
+            self.remember(r)
+            r.prefill_end = env.now
+            self.busy -= 1
+            events = self.do(P.FinishPrefill(r.id, 0, r.prompt, mode=cfg.mode,
+                                             hold_ttl=cfg.hold_ttl))
+            if cfg.mode == "push":
+                self.start_push(events)
+            else:
+                for e in events:
+                    if isinstance(e, LeaseGranted):
+                        self.expire_at(e.lease, e.expires_at)
+                self.sim.router.relay_metadata(self, r)
+
+    def start_push(self, events: list[Event]) -> None:
+        for e in events:
+            if isinstance(e, TransferPlanned) and e.direction == "P->D":
+                r = self.sim.requests[e.request or ""]
+                r.runs = e.runs
+                self.sim.env.process(self.push_transfer(e, r))
+
+    def on_registration(self, r: SimRequest, e: RegistrationSent, layout: KVLayout) -> None:
+        events = self.do(P.Register(r.id, 0, e.instance, e.dst_blocks, layout))
+        for ev in events:
+            if isinstance(ev, RegistrationDropped):
+                self.sim.decodes[r.decode].do(D.KVFailed(r.id, 0, ev.reason))
+        self.start_push(events)
+
+    def push_transfer(self, plan: TransferPlanned, r: SimRequest) -> Iterator[Any]:
+        env, costs = self.sim.env, self.sim.costs
+        with self.transfer_thread.request() as slot:  # the background thread, one at a time
+            yield slot
+            r.transfer_start = env.now
+            prep = costs.descriptor_prep_time(plan.descriptors, inline=False)
+            yield env.timeout(prep + self.connect(plan.dst))
+            with self.nic.request() as link:
+                yield link
+                yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
+                                                      plan.expected_notifications))
+        r.transfer_end = env.now
+        self.do(P.TransferDone(r.id, 0))
+        yield env.timeout(costs.message_latency())
+        self.sim.decodes[r.decode].on_notifications(r)
+
+
+class DecodeInstance(Instance):
+    def __init__(self, sim: Simulation, name: str) -> None:
+        cfg = sim.cfg
+        # decode's pool is the long-lived, fragmented one: retained and decoding requests'
+        # blocks interleave; prefill's blocks live only until their transfer ends
+        super().__init__(sim, name, cfg.decode_layout, cfg.decode_blocks, cfg.pool_run_blocks)
+        self.core = D.DecodeCore(name, cfg.decode_layout)
+        self.waiting: deque[SimRequest] = deque()
+        self.loading: set[str] = set()
+        self.joining: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.pulls: deque[tuple[SimRequest, TransferPlanned]] = deque()
+        self.recomputes: deque[SimRequest] = deque()
+        self.retained: OrderedDict[str, None] = OrderedDict()  # leases, oldest first
+        self.reader = simpy.Resource(sim.env, capacity=1)
+        self.admit_wake = sim.env.event()
+        sim.env.process(self.admit_loop())
+        sim.env.process(self.loop())
+
+    @property
+    def load(self) -> Load:
+        return Load(self.name, len(self.running) + len(self.loading) + len(self.joining),
+                    len(self.waiting), len(self.pool.free))
+
+    def on_freed(self) -> None:
+        if not self.admit_wake.triggered:
+            self.admit_wake.succeed()
+
+    def submit(self, r: SimRequest) -> None:
+        self.waiting.append(r)
+        self.on_freed()
+
+    def admit_loop(self) -> Iterator[Any]:
+        """A request gets its blocks once a sequence slot and enough free blocks exist;
+        retained KV is evicted, oldest lease first, when the pool runs short."""
+        env, cfg = self.sim.env, self.sim.cfg
+        bs = self.layout.block_size
+        while True:
+            busy = len(self.running) + len(self.loading) + len(self.joining)
+            blocks = None
+            if self.waiting and busy < cfg.max_num_seqs:
+                r = self.waiting[0]
+                need = -(-(r.prompt + r.output) // bs)
+                blocks = self.pool.take(need)
+                while blocks is None and self.retained:
+                    lease, _ = self.retained.popitem(last=False)
+                    self.do(Release(lease, "evicted under memory pressure"))
+                    blocks = self.pool.take(need)
+            if blocks is None:
+                if self.admit_wake.triggered:
+                    self.admit_wake = env.event()
+                yield self.admit_wake
+                continue
+            self.admit(self.waiting.popleft(), blocks)
+
+    def admit(self, r: SimRequest, blocks: tuple[int, ...]) -> None:
+        cfg, env = self.sim.cfg, self.sim.env
+        bs = self.layout.block_size
+        self.loading.add(r.id)
+        kv_blocks, rest = blocks[: -(-r.prompt // bs)], blocks[-(-r.prompt // bs):]
+        pf = self.sim.prefills[r.prefill]
+        if cfg.mode == "push":
+            events = self.do(D.ExpectKV(r.id, 0, r.prefill, kv_blocks, r.prompt, pf.layout,
+                                        "push", timeout=cfg.kv_timeout))
+            self.kv_deadline(r, env.now + cfg.kv_timeout)
+            env.process(self._send_registration(r, events, pf))
+        else:
+            hold = pf.core.leases.leases.get(P.hold_lease_id(r.id, 0))
+            events = self.do(D.ExpectKV(
+                r.id, 0, r.prefill, kv_blocks, r.prompt, pf.layout, "pull",
+                src_blocks=hold.blocks if hold else (),
+                src_expires_at=hold.expires_at if hold else env.now,
+                read_margin=cfg.read_margin))
+            for e in events:
+                if isinstance(e, TransferPlanned):
+                    r.runs = e.runs
+                    self.pulls.append((r, e))
+                    self.poke()
+                elif isinstance(e, KVLoadFailed):
+                    self.fallback(r)
+        if rest:
+            self.do(D.Allocate(r.id, 0, rest))
+
+    def kv_deadline(self, r: SimRequest, at: float) -> None:
+        def fire(_: Any) -> None:
+            if self.core.phase(r.id, 0) in ("awaiting_kv", "aborting"):
+                for e in self.do(D.Tick()):
+                    if isinstance(e, KVLoadFailed) and e.request == r.id:
+                        self.fallback(r)
+
+        self.sim.env.timeout(max(at - self.sim.env.now, 0.0)).callbacks.append(fire)
+
+    def _send_registration(self, r: SimRequest, events: list[Event],
+                           pf: PrefillInstance) -> Iterator[Any]:
+        yield self.sim.env.timeout(self.sim.costs.message_latency())
+        for e in events:
+            if isinstance(e, RegistrationSent):
+                pf.on_registration(r, e, self.layout)
+
+    def on_notifications(self, r: SimRequest) -> None:
+        pf = self.sim.prefills[r.prefill]
+        for s in fan_out(pf.layout, self.layout):
+            for e in self.do(D.Notify(r.id, 0, s.src_rank, s.dst_rank)):
+                if isinstance(e, KVReceived):
+                    self.kv_ready(r)
+
+    def kv_ready(self, r: SimRequest) -> None:
+        r.kv_ready = self.sim.env.now
+        self.loading.discard(r.id)
+        self.joining.append(r)
+        self.poke()
+
+    def fallback(self, r: SimRequest) -> None:
+        """The KV will not come: decode computes the prompt itself (a stall of its loop)."""
+        r.ok = r.ok  # still served; recorded by the core's KVLoadFailed
+        self.recomputes.append(r)
+        self.poke()
+
+    def pull_read(self, r: SimRequest, plan: TransferPlanned) -> Iterator[Any]:
+        env, costs = self.sim.env, self.sim.costs
+        pf = self.sim.prefills[r.prefill]
+        r.transfer_start = env.now
+        with pf.nic.request() as link:
+            yield link
+            yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
+                                                  plan.expected_notifications))
+        r.transfer_end = env.now
+        hold_alive = P.hold_lease_id(r.id, 0) in pf.core.leases.leases
+        done = self.do(D.PullDone(r.id, 0, ok=hold_alive,
+                                  reason="" if hold_alive else "prefill's hold expired"))
+        for e in done:
+            if isinstance(e, KVReceived):
+                self.kv_ready(r)
+            elif isinstance(e, KVLoadFailed):
+                self.fallback(r)
+        yield env.timeout(costs.message_latency())
+        pf.do(P.PullReadDone(r.id, 0))
+
+    def read_on_thread(self, r: SimRequest, plan: TransferPlanned, prep: float
+                       ) -> Iterator[Any]:
+        with self.reader.request() as slot:
+            yield slot
+            yield self.sim.env.timeout(prep)
+        yield from self.pull_read(r, plan)
+
+    def loop(self) -> Iterator[Any]:
+        env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
+        while True:
+            self.running.extend(self.joining)  # admission already bounded them
+            self.joining.clear()
+            stall = 0.0
+            while self.pulls:
+                r, plan = self.pulls.popleft()
+                prep = costs.descriptor_prep_time(plan.descriptors, inline=True)
+                prep += self.connect(r.prefill)
+                if cfg.pull_reader_thread:
+                    env.process(self.read_on_thread(r, plan, prep))
+                    continue
+                stall += prep  # inline: this step waits for it, and so does every request
+                self.sim.rec(EngineStalled(at=env.now, instance=self.name, request=r.id,
+                                           seconds=prep, cause="pull descriptor preparation"))
+                env.process(self._after(prep, self.pull_read, r, plan))
+            while self.recomputes:
+                r = self.recomputes.popleft()
+                t = costs.prefill_time(r.prompt, 0)
+                stall += t
+                self.sim.rec(EngineStalled(at=env.now, instance=self.name, request=r.id,
+                                           seconds=t, cause="KV load failed: local prefill"))
+                self.loading.discard(r.id)
+                self.running.append(r)
+            if not self.running:
+                if stall:
+                    yield env.timeout(stall)
+                    continue
+                self._rearm()
+                yield self.wake
+                continue
+            batch = len(self.running)
+            k = min(r.output - r.done_tokens for r in self.running)
+            ctx = sum(r.prompt + r.done_tokens for r in self.running)
+            durations = [costs.decode_step_time(batch, ctx + batch * i) for i in range(k)]
+            start = env.now
+            self._rearm()
+            timer = env.timeout(stall + sum(durations))
+            yield timer | self.wake
+            steps = k
+            if not timer.processed:
+                # woken early: finish the step in progress, then let the batch change
+                acc, steps = 0.0, 0
+                while steps < k:
+                    acc += durations[steps]
+                    steps += 1
+                    if start + stall + acc >= env.now:
+                        break
+                if start + stall + acc > env.now:
+                    yield env.timeout(start + stall + acc - env.now)
+            self._advance(steps, durations, stall, start)
+
+    def _after(self, delay: float, fn: Callable[..., Iterator[Any]], *args: Any
+               ) -> Iterator[Any]:
+        yield self.sim.env.timeout(delay)
+        yield from fn(*args)
+
+    def _advance(self, steps: int, durations: list[float], stall: float, start: float) -> None:
+        env = self.sim.env
+        first_end = start + stall + durations[0]
+        rest = sum(durations[1:steps])
+        still: list[SimRequest] = []
+        for r in self.running:
+            if r.done_tokens == 0:
+                r.first_token = first_end
+                self.sim.rec(FirstTokenEmitted(at=first_end, instance=self.name, request=r.id,
+                                               ttft=first_end - r.arrival))
+            else:
+                r.itl.append((stall + durations[0], 1))
+            if steps > 1:
+                r.itl.append((rest / (steps - 1), steps - 1))
+            r.stall_s += stall
+            r.done_tokens += steps
+            if r.done_tokens >= r.output:
+                r.finish = env.now
+                self.finish(r)
+            else:
+                still.append(r)
+        self.running = still
+
+    def finish(self, r: SimRequest) -> None:
+        cfg = self.sim.cfg
+        retain = None
+        if cfg.bidirectional and r.conversation is not None:
+            retain = D.Retain(f"{r.id}/kv", cfg.ttl, cfg.renewable, r.prompt + r.output,
+                              hex_chain(r.retained_hashes))
+        for e in self.do(D.Finish(r.id, 0, retain)):
+            if isinstance(e, LeaseGranted):
+                self.retained[e.lease] = None
+                self.expire_at(e.lease, e.expires_at)
+                self.sim.router.store(r, e)
+        self.sim.finished(r)
+        self.on_freed()
+
+    def do(self, cmd: Any) -> list[Event]:
+        events = super().do(cmd)
+        for e in events:
+            if type(e).__name__ in ("LeaseExpired", "LeaseReleased"):
+                self.retained.pop(e.lease, None)  # type: ignore[attr-defined]
+        return events
+
+
+class Router:
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.table = S.SessionTable("router", sim.cfg.decode_layout.block_size)
+        self.rr_p = itertools.count()
+        self.rr_d = itertools.count()
+        self.affinity: dict[tuple[str, str], str] = {}
+        self.last_finish: dict[tuple[str, str], float] = {}
+
+    def arrive(self, r: SimRequest) -> None:
+        sim = self.sim
+        sim.rec(RequestArrived(at=sim.env.now, instance="router", request=r.id,
+                               prompt_tokens=r.prompt, output_tokens=r.output,
+                               conversation=r.conversation, tenant=r.tenant, turn=r.turn))
+        self.dispatch(r)
+
+    def dispatch(self, r: SimRequest) -> None:
+        sim, cfg = self.sim, self.sim.cfg
+        r.dispatched = sim.env.now
+        loads = [Load(p.name, p.busy, len(p.queue)) for p in sim.prefills.values()]
+        r.prefill = choose(cfg.prefill_policy, loads, next(self.rr_p))
+        if cfg.mode == "push":  # decode chosen up front; both legs leave at once
+            r.decode = self.pick_decode(r)
+            sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id, mode="push",
+                                  prefill=r.prefill, decode=r.decode,
+                                  bidirectional=cfg.bidirectional))
+            sim.prefills[r.prefill].submit(r)
+            sim.decodes[r.decode].submit(r)
+        else:
+            sim.prefills[r.prefill].submit(r)
+
+    def pick_decode(self, r: SimRequest) -> str:
+        aff = self.affinity.get((r.tenant, r.conversation or ""))
+        loads = [d.load for d in self.sim.decodes.values()]
+        return choose(self.sim.cfg.decode_policy, loads, next(self.rr_d), aff)
+
+    def relay_metadata(self, pf: PrefillInstance, r: SimRequest) -> None:
+        self.sim.env.process(self._relay(pf, r))
+
+    def _relay(self, pf: PrefillInstance, r: SimRequest) -> Iterator[Any]:
+        sim = self.sim
+        yield sim.env.timeout(sim.costs.message_latency())
+        r.decode = self.pick_decode(r)  # pull: decode chosen after prefill, freshest load
+        hold_id = P.hold_lease_id(r.id, 0)
+        hold = pf.core.leases.leases.get(hold_id)
+        sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id, mode="pull",
+                              prefill=r.prefill, decode=r.decode,
+                              bidirectional=sim.cfg.bidirectional))
+        sim.rec(MetadataRelayed(at=sim.env.now, instance="router", request=r.id, attempt=0,
+                                prefill=r.prefill, decode=r.decode,
+                                src_blocks=hold.blocks if hold else (), num_tokens=r.prompt))
+        self.hold_heartbeats(pf, r, hold_id)
+        yield sim.env.timeout(sim.costs.message_latency())
+        sim.decodes[r.decode].submit(r)
+
+    def hold_heartbeats(self, pf: PrefillInstance, r: SimRequest, hold_id: str) -> None:
+        """Decode keeps prefill's hold alive while the request waits for its read."""
+        cfg, env = self.sim.cfg, self.sim.env
+
+        def beat(_: Any) -> None:
+            if hold_id not in pf.core.leases.leases or r.transfer_start >= 0:
+                return
+            for e in pf.do(Heartbeat(hold_id, cfg.hold_extension)):
+                if isinstance(e, LeaseRenewed):
+                    pf.expire_at(hold_id, e.expires_at)
+            env.timeout(cfg.hold_heartbeat).callbacks.append(beat)
+
+        env.timeout(cfg.hold_heartbeat).callbacks.append(beat)
+
+    def store(self, r: SimRequest, g: LeaseGranted) -> None:
+        assert r.conversation is not None
+        key = (r.tenant, r.conversation)
+        h = RetainedHandle(g.instance, g.lease, g.num_tokens, self.table.block_size,
+                           g.block_hashes, g.expires_at)
+        for e in self.sim.do(self.table, S.Store(r.tenant, r.conversation, h, r.id)):
+            if isinstance(e, SessionDropped):
+                for d in self.sim.decodes.values():
+                    if e.lease in d.core.leases.leases:
+                        d.do(Release(e.lease, "replaced by a newer turn"))
+        self.affinity[key] = g.instance
+        self.last_finish[key] = self.sim.env.now
+        if self.sim.cfg.renewable:
+            self.heartbeats(r.tenant, r.conversation, g.lease, g.instance)
+
+    def heartbeats(self, tenant: str, conv: str, lease: str, decode: str) -> None:
+        """While a conversation is active, the router keeps its retained KV alive; it stops
+        once the conversation has been idle `idle_after` seconds, so decode reclaims early."""
+        sim, cfg = self.sim, self.sim.cfg
+        d = sim.decodes[decode]
+
+        def beat(_: Any) -> None:
+            h = self.table.handle_of(tenant, conv)
+            if h is None or h.lease != lease:
+                return
+            if sim.env.now - self.last_finish.get((tenant, conv), 0.0) > cfg.idle_after:
+                return
+            for e in d.do(Heartbeat(lease, cfg.heartbeat_extension)):
+                if isinstance(e, LeaseRenewed):
+                    sim.do(self.table, S.Renew(tenant, conv, e.expires_at))
+                    d.expire_at(lease, e.expires_at)
+            sim.env.timeout(cfg.heartbeat_interval).callbacks.append(beat)
+
+        sim.env.timeout(cfg.heartbeat_interval).callbacks.append(beat)
+
+    def reuse(self, pf: PrefillInstance, r: SimRequest, local_hit: int) -> Iterator[Any]:
+        """Bidirectional: take the conversation's handle, let prefill decide, read D->P."""
+        sim, cfg, env = self.sim, self.sim.cfg, self.sim.env
+        assert r.conversation is not None
+        handle = self.table.handle_of(r.tenant, r.conversation)
+        taken = sim.do(self.table, S.Take(r.tenant, r.conversation, r.id))
+        if not any(isinstance(e, SessionTaken) for e in taken):
+            handle = None
+        d = sim.decodes[handle.decode] if handle is not None else None
+        estimate = self.read_estimate(pf, d, handle.num_tokens) if handle and d else 0.0
+        decision = pf.do(P.DecideReuse(r.id, 0, handle, hex_chain(r.hashes), r.prompt,
+                                       local_hit, cfg.recompute_threshold, estimate,
+                                       cfg.read_margin))[0]
+        assert isinstance(decision, ReuseDecided)
+        r.reuse_outcome = decision.outcome
+        if decision.outcome != "read" or handle is None or d is None:
+            if handle is not None and d is not None:
+                d.do(Release(handle.lease, f"not read: {decision.outcome}"))
+            return local_hit
+        pin = d.do(BeginRead(handle.lease, r.id, estimate, cfg.read_margin))
+        if not any(isinstance(e, LeasePinned) for e in pin):
+            r.reuse_outcome = "refused"
+            return local_hit
+        lease = d.core.leases.leases[handle.lease]
+        src = lease.blocks[: decision.matched_tokens // d.layout.block_size]
+        start = env.now
+        events = pf.do(P.StartReuseRead(r.id, 0, handle, src, d.layout,
+                                        decision.matched_tokens))
+        plan = next(e for e in events if isinstance(e, TransferPlanned))
+        descriptors = plan.descriptors
+        if cfg.reuse_read_run_blocks is not None:  # retained blocks scattered by churn
+            runs = max(1, round(len(src) / cfg.reuse_read_run_blocks))
+            descriptors = runs * d.layout.num_layers * 2 * plan.expected_notifications
+        prep = sim.costs.descriptor_prep_time(descriptors, inline=False)
+        yield env.timeout(pf.connect(d.name) + sim.costs.reuse_read_setup() + prep)
+        with d.nic.request() as link:
+            yield link
+            yield env.timeout(sim.costs.transfer_time(plan.bytes, descriptors,
+                                                      plan.expected_notifications))
+        pf.do(P.ReuseReadDone(r.id, 0))
+        d.do(EndRead(handle.lease, r.id))
+        d.do(Release(handle.lease, "read by the next turn"))
+        r.reuse_read_s = env.now - start
+        return max(local_hit, decision.matched_tokens)
+
+    def read_estimate(self, pf: PrefillInstance, d: DecodeInstance, tokens: int) -> float:
+        """An upper bound of the read's time, so the lease check errs on the safe side."""
+        lay = d.layout
+        nbytes = tokens * lay.num_layers * 2 * lay.num_kv_heads * lay.head_bytes
+        desc = -(-tokens // lay.block_size) * lay.num_layers * 2 * max(pf.layout.tp, lay.tp)
+        c = self.sim.costs
+        return (c.reuse_read_setup() + c.descriptor_prep_time(desc, inline=False)
+                + c.transfer_time(nbytes, desc, max(pf.layout.tp, lay.tp)))
+
+
+class Simulation:
+    def __init__(self, cfg: EngineConfig, costs: Costs, record: Record | None = None) -> None:
+        self.cfg, self.costs = cfg, costs
+        self.env = simpy.Environment()
+        self.rec: Record = record or (lambda e: None)
+        self.requests: dict[str, SimRequest] = {}
+        self.done: list[SimRequest] = []
+        self.prefills = {f"prefill-{i}": PrefillInstance(self, f"prefill-{i}")
+                         for i in range(cfg.num_prefill)}
+        self.decodes = {f"decode-{i}": DecodeInstance(self, f"decode-{i}")
+                        for i in range(cfg.num_decode)}
+        self.router = Router(self)
+
+    def seed_for(self, name: str) -> int:
+        return (self.cfg.seed * 1_000_003 + sum(map(ord, name))) % (2**32)
+
+    def do(self, machine: Any, cmd: Any) -> list[Event]:
+        events: list[Event] = machine.handle(cmd, self.env.now)
+        for e in events:
+            self.rec(e)
+        return events
+
+    def submit(self, r: SimRequest) -> None:
+        self.requests[r.id] = r
+        self.router.arrive(r)
+
+    def finished(self, r: SimRequest) -> None:
+        self.requests.pop(r.id, None)
+        self.done.append(r)
+        self.rec(RequestFinished(
+            at=r.finish, instance=r.decode, request=r.id, output_tokens=r.output,
+            ttft=r.first_token - r.arrival,
+            tpot=(r.finish - r.first_token) / max(r.output - 1, 1),
+            e2e=r.finish - r.arrival, ok=r.ok))
+        if r.on_done is not None:
+            r.on_done(r)
+
+    def drain(self) -> None:
+        """Run on until every lease and hold has ended: the run is then quiescent."""
+        horizon = self.env.now + max(self.cfg.ttl, self.cfg.hold_ttl) + 1.0
+        self.env.run(until=horizon)
+        for inst in [*self.prefills.values(), *self.decodes.values()]:
+            inst.do(LeaseTick())
