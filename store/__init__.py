@@ -1,1 +1,48 @@
-"""kvplane.store"""
+"""kvplane.store: the event store (SQLite by default, PostgreSQL for shared deployments).
+
+Write side: `open_store(url)` -> `EventStore` (`create_run`, `append`, `events`, `count`, ...)
+and the recorders drivers feed (`NullRecorder`, `ListRecorder`, `BatchingRecorder`).
+Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_table`.
+"""
+
+from __future__ import annotations
+
+from .encoding import EncodedEvent, encode_batch, encode_event
+from .engine import DEFAULT_URL, ENV_VAR, make_engine, resolve_url
+from .errors import EventRefused, RecorderError, RunNotFound, StoreError
+from .event_store import EventStore, RunInfo, open_store
+from .migrate import current_revision, head_revision, model_drift, upgrade
+from .recorders import BatchingRecorder, ListRecorder, NullRecorder, Recorder
+from .schema import RUN_KINDS, EventRow, RunKind, RunRow, events_table, metadata, runs_table
+
+__all__ = [
+    "DEFAULT_URL",
+    "ENV_VAR",
+    "RUN_KINDS",
+    "BatchingRecorder",
+    "EncodedEvent",
+    "EventRefused",
+    "EventRow",
+    "EventStore",
+    "ListRecorder",
+    "NullRecorder",
+    "Recorder",
+    "RecorderError",
+    "RunInfo",
+    "RunKind",
+    "RunNotFound",
+    "RunRow",
+    "StoreError",
+    "current_revision",
+    "encode_batch",
+    "encode_event",
+    "events_table",
+    "head_revision",
+    "make_engine",
+    "metadata",
+    "model_drift",
+    "open_store",
+    "resolve_url",
+    "runs_table",
+    "upgrade",
+]

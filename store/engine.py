@@ -1,0 +1,85 @@
+"""Where the store lives (URL resolution) and how we connect to it (engine set-up).
+
+Rules kept here:
+- The URL is, in order: the one passed in, else `$KVPLANE_DB`, else `sqlite:///./kvplane.db`.
+  A bare file path means a SQLite file; `postgresql://` means psycopg 3
+  (`postgresql+psycopg://`), the only PostgreSQL driver we install.
+- SQLite connections run in WAL mode with synchronous=NORMAL (readers never block the writer,
+  a commit costs no fsync of the database file) and enforce foreign keys.
+- SQLite transactions are begun by us, not by the sqlite3 module, so that every transaction
+  really is one (reads included), and so that writers can ask for `BEGIN IMMEDIATE`: a batch
+  takes the write lock before it reads the next seq, and concurrent writers queue on the busy
+  timeout instead of failing with "database is locked" half-way through.
+- `sqlite://` (in memory) is one connection shared by every thread (else each pooled
+  connection would see its own empty database): fine for tests, but do not read from one
+  thread while a recorder writes from another; use a file for anything concurrent.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Final
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.pool import StaticPool
+
+DEFAULT_URL: Final = "sqlite:///./kvplane.db"
+ENV_VAR: Final = "KVPLANE_DB"
+
+#: Execution option that makes a SQLite transaction begin with `BEGIN IMMEDIATE`.
+WRITE_LOCK: Final = "kvplane_write_lock"
+
+_BUSY_TIMEOUT_S: Final = 30.0
+
+
+def resolve_url(url: str | URL | None = None) -> URL:
+    """The database URL to use: explicit, else `$KVPLANE_DB`, else the SQLite default."""
+    raw: str | URL = url if url is not None else os.environ.get(ENV_VAR) or DEFAULT_URL
+    if isinstance(raw, str) and "://" not in raw:
+        raw = f"sqlite:///{raw}"
+    parsed = make_url(raw)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def is_sqlite(url: URL) -> bool:
+    return url.get_backend_name() == "sqlite"
+
+
+def make_engine(url: str | URL | None = None, *, echo: bool = False) -> Engine:
+    """An engine for `url` (resolved as above), with the SQLite settings applied."""
+    resolved = resolve_url(url)
+    if not is_sqlite(resolved):
+        return create_engine(resolved, echo=echo, pool_pre_ping=True)
+    kwargs: dict[str, Any] = {"connect_args": {"timeout": _BUSY_TIMEOUT_S}}
+    if resolved.database in (None, "", ":memory:"):
+        # One shared connection, or every pooled connection would see its own empty database.
+        kwargs = {
+            "connect_args": {"check_same_thread": False},
+            "poolclass": StaticPool,
+        }
+    engine = create_engine(resolved, echo=echo, **kwargs)
+    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "begin", _sqlite_on_begin)
+    return engine
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    # Hand transaction control to SQLAlchemy's "begin" event below (pysqlite would otherwise
+    # begin lazily, only before writes).
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")
+    finally:
+        cursor.close()
+
+
+def _sqlite_on_begin(connection: Connection) -> None:
+    immediate = connection.get_execution_options().get(WRITE_LOCK, False)
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")

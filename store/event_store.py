@@ -1,0 +1,300 @@
+"""The event store: runs, and the events of each run in order.
+
+Rules kept here:
+- `open_store(url)` resolves the URL (see `engine.py`), migrates the database to the newest
+  schema and returns an `EventStore`; opening the same database twice changes nothing.
+- A run is created once, with a kind (sim, live, replay, import), a scenario, an optional
+  parent run and JSON `meta`; it remembers the event `SCHEMA_VERSION` it was recorded under.
+- `append` checks every event of a batch first (`encoding.encode_batch`); one unfit event
+  refuses the whole batch with `EventRefused` naming its index and type, before any I/O. A
+  fit batch is written in one transaction, numbered on from the run's last seq (contiguous from
+  0), so a reader sees whole batches or nothing of them, even if the writer dies mid-batch.
+- Appends to one run are serialised (the run's row is locked on PostgreSQL; SQLite's write
+  lock is taken at `BEGIN IMMEDIATE`), so two writers never hand out the same seq.
+- `events` streams rows in seq order through a server-side cursor (PostgreSQL) or chunked
+  fetches (SQLite) and decodes each with the core's `decode`, so a long run is never loaded
+  whole.
+- Deleting a run deletes its events; its child runs stay, with their parent set to none.
+
+The read side for dashboards is `EventStore.engine` plus `schema.runs_table` and
+`schema.events_table`: plain SQLAlchemy Core, any aggregate query the backends can run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Final, Self, cast
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    RowMapping,
+    Select,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.engine import URL
+
+from ._core import EVENT_TYPES, SCHEMA_VERSION, Event, SchemaError, decode
+from .bulk import bulk_insert
+from .encoding import EncodedEvent, encode_batch
+from .engine import WRITE_LOCK, make_engine
+from .errors import RunNotFound
+from .migrate import upgrade
+from .schema import RUN_KINDS, RunKind, events_table, runs_table
+
+_STREAM_CHUNK: Final = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """One row of `runs`."""
+
+    id: str
+    kind: RunKind
+    scenario: str
+    started: datetime
+    parent: str | None
+    meta: dict[str, Any]
+    schema_version: int
+
+
+EventTypes = str | type[Event] | Iterable[str | type[Event]]
+
+
+class EventStore:
+    """Runs and their events in one database; see the module docstring for the rules."""
+
+    def __init__(self, engine: Engine) -> None:
+        """Wrap an engine whose database is already migrated (`open_store` does both)."""
+        self._engine = engine
+        self._writer = engine.execution_options(**{WRITE_LOCK: True})
+
+    # --- the read side for aggregate SQL ---
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def url(self) -> str:
+        """The database URL, password hidden."""
+        return self._engine.url.render_as_string(hide_password=True)
+
+    # --- runs ---
+
+    def create_run(
+        self,
+        kind: RunKind,
+        scenario: str,
+        parent: str | None = None,
+        meta: Mapping[str, Any] | None = None,
+        *,
+        run_id: str | None = None,
+        started: datetime | None = None,
+    ) -> str:
+        """Start a run and return its id (a fresh UUID unless `run_id` is given)."""
+        if kind not in RUN_KINDS:
+            raise ValueError(f"run kind must be one of {RUN_KINDS}, not {kind!r}")
+        meta_dict = dict(meta or {})
+        try:
+            json.dumps(meta_dict, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"run meta must be plain JSON: {exc}") from None
+        new_id = run_id if run_id is not None else str(uuid.uuid4())
+        when = started if started is not None else datetime.now(UTC)
+        if when.tzinfo is None:
+            raise ValueError("run start time must be timezone-aware")
+        when = when.astimezone(UTC)  # SQLite keeps no offset, so store every time as UTC
+        with self._writer.begin() as conn:
+            if parent is not None:
+                self._require_run(conn, parent)
+            conn.execute(
+                insert(runs_table).values(
+                    id=new_id,
+                    kind=kind,
+                    scenario=scenario,
+                    started=when,
+                    parent=parent,
+                    meta=meta_dict,
+                    schema_version=SCHEMA_VERSION,
+                )
+            )
+        return new_id
+
+    def runs(self, kind: RunKind | None = None) -> list[RunInfo]:
+        """Every run (of one kind, if given), oldest first."""
+        stmt = select(runs_table).order_by(runs_table.c.started, runs_table.c.id)
+        if kind is not None:
+            stmt = stmt.where(runs_table.c.kind == kind)
+        with self._engine.connect() as conn:
+            return [_run_info(row._mapping) for row in conn.execute(stmt)]
+
+    def run(self, run_id: str) -> RunInfo:
+        """One run, or `RunNotFound`."""
+        with self._engine.connect() as conn:
+            row = conn.execute(select(runs_table).where(runs_table.c.id == run_id)).first()
+        if row is None:
+            raise RunNotFound(run_id)
+        return _run_info(row._mapping)
+
+    def delete_run(self, run_id: str) -> int:
+        """Delete a run and its events (children are kept, orphaned); the events deleted."""
+        with self._writer.begin() as conn:
+            self._require_run(conn, run_id)
+            conn.execute(
+                update(runs_table).where(runs_table.c.parent == run_id).values(parent=None)
+            )
+            deleted = conn.execute(delete(events_table).where(events_table.c.run == run_id))
+            conn.execute(delete(runs_table).where(runs_table.c.id == run_id))
+        return int(deleted.rowcount)
+
+    # --- events ---
+
+    def append(self, run_id: str, events: Sequence[Event]) -> range:
+        """Check, number and write one batch in one transaction; the seqs it was given."""
+        return self.append_encoded(run_id, encode_batch(events))
+
+    def append_encoded(self, run_id: str, rows: Sequence[EncodedEvent]) -> range:
+        """`append` for rows already checked by `encoding.encode_event` (recorders use it)."""
+        with self._writer.begin() as conn:
+            # Lock the run's row first, so concurrent appenders to one run queue here
+            # (PostgreSQL; on SQLite BEGIN IMMEDIATE already made this the only writer). The
+            # last seq is read by a second statement on purpose: under READ COMMITTED only a
+            # statement begun after the lock was granted sees the other appender's rows.
+            found = conn.execute(
+                select(runs_table.c.id)
+                .where(runs_table.c.id == run_id)
+                .with_for_update(key_share=True)
+            ).first()
+            if found is None:
+                raise RunNotFound(run_id)
+            last = conn.execute(
+                select(func.max(events_table.c.seq)).where(events_table.c.run == run_id)
+            ).scalar()
+            first = 0 if last is None else int(last) + 1
+            if rows:
+                bulk_insert(conn, run_id, first, rows)
+        return range(first, first + len(rows))
+
+    def events(
+        self, run_id: str, types: EventTypes | None = None, request: str | None = None
+    ) -> Iterator[Event]:
+        """The run's events in seq order, optionally only some types and/or one request.
+
+        `RunNotFound` is raised here, at the call; the events themselves stream lazily.
+        """
+        stmt = self._filtered(
+            select(
+                events_table.c.seq,
+                events_table.c.time,
+                events_table.c.type,
+                events_table.c.request,
+                events_table.c.instance,
+                events_table.c.payload,
+            ),
+            run_id,
+            types,
+            request,
+        ).order_by(events_table.c.seq)
+        with self._engine.connect() as conn:
+            self._require_run(conn, run_id)
+        return self._stream(run_id, stmt)
+
+    def count(self, run_id: str, types: EventTypes | None = None) -> int:
+        """How many events the run holds (of the given types, if any)."""
+        stmt = self._filtered(select(func.count()).select_from(events_table), run_id, types)
+        with self._engine.connect() as conn:
+            self._require_run(conn, run_id)
+            return int(conn.execute(stmt).scalar_one())
+
+    # --- lifecycle ---
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EventStore({self.url!r})"
+
+    # --- helpers ---
+
+    def _stream(self, run_id: str, stmt: Select[Any]) -> Iterator[Event]:
+        with self._engine.connect() as conn:
+            result = conn.execution_options(yield_per=_STREAM_CHUNK).execute(stmt)
+            for seq, time, type_name, request, instance, payload in result:
+                try:
+                    yield decode(type_name, payload, at=time, instance=instance, request=request)
+                except SchemaError as exc:
+                    raise SchemaError(f"run {run_id} seq {seq}: {exc}") from exc
+
+    @staticmethod
+    def _filtered(
+        stmt: Select[Any], run_id: str, types: EventTypes | None, request: str | None = None
+    ) -> Select[Any]:
+        stmt = stmt.where(events_table.c.run == run_id)
+        if types is not None:
+            stmt = stmt.where(events_table.c.type.in_(_type_names(types)))
+        if request is not None:
+            stmt = stmt.where(events_table.c.request == request)
+        return stmt
+
+    @staticmethod
+    def _require_run(conn: Connection, run_id: str) -> None:
+        if conn.execute(select(runs_table.c.id).where(runs_table.c.id == run_id)).first() is None:
+            raise RunNotFound(run_id)
+
+
+def open_store(url: str | URL | None = None, *, echo: bool = False) -> EventStore:
+    """Open (creating and migrating as needed) the store at `url`, `$KVPLANE_DB` or the default."""
+    engine = make_engine(url, echo=echo)
+    try:
+        upgrade(engine)
+    except BaseException:
+        engine.dispose()
+        raise
+    return EventStore(engine)
+
+
+def _type_names(types: EventTypes) -> list[str]:
+    items: Iterable[str | type[Event]] = [types] if isinstance(types, (str, type)) else types
+    names = []
+    for item in items:
+        name = item if isinstance(item, str) else item.__name__
+        if EVENT_TYPES.get(name) is None:
+            raise SchemaError(f"unknown event type {name!r}")
+        names.append(name)
+    return names
+
+
+def _run_info(row: RowMapping) -> RunInfo:
+    started: datetime = row["started"]
+    # SQLite hands back naive datetimes (we only ever store UTC); PostgreSQL, session time.
+    started = started.replace(tzinfo=UTC) if started.tzinfo is None else started.astimezone(UTC)
+    return RunInfo(
+        id=row["id"],
+        kind=cast(RunKind, row["kind"]),
+        scenario=row["scenario"],
+        started=started,
+        parent=row["parent"],
+        meta=row["meta"],
+        schema_version=row["schema_version"],
+    )

@@ -1,0 +1,89 @@
+"""Schema migrations, run by Alembic from code: no alembic.ini, no env.py.
+
+Rules kept here:
+- `upgrade(engine)` brings a database to the newest revision in `migrations/versions` and is
+  idempotent: on an up-to-date database it changes nothing. `open_store` calls it every time.
+- All of it happens in one transaction, DDL included (both SQLite and PostgreSQL have
+  transactional DDL), holding a lock first, so that two processes opening a fresh database at
+  once neither race nor leave half a schema: PostgreSQL takes a transaction-scoped advisory
+  lock, SQLite takes the write lock with `BEGIN IMMEDIATE`.
+- Alembic's version table is `schema_meta` (see `schema.VERSION_TABLE`).
+- A new revision is written by hand next to `0001_initial.py` (`revision`, `down_revision`,
+  `upgrade()`), together with the model change in `schema.py`; `model_drift(engine)` lists any
+  difference between a migrated database and the models, and a test insists it is empty.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.runtime.environment import EnvironmentContext
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, text
+
+from .engine import WRITE_LOCK
+from .schema import VERSION_TABLE, metadata
+
+MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
+
+# Any fixed 64-bit number; it only has to be the same in every process that migrates.
+_ADVISORY_LOCK_KEY: Final = 0x6B76_706C_616E_6501  # "kvplane" + 1
+
+
+def _config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return config
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(_config()).get_current_head()
+    assert head is not None, "no migrations found"
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+
+
+def upgrade(engine: Engine) -> None:
+    """Migrate the database behind `engine` to the head revision (a no-op when it is there)."""
+    config = _config()
+    script = ScriptDirectory.from_config(config)
+    with engine.execution_options(**{WRITE_LOCK: True}).begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(
+                text("SELECT pg_advisory_xact_lock(:key)"), {"key": _ADVISORY_LOCK_KEY}
+            )
+        _run_upgrade(config, script, connection)
+
+
+def _run_upgrade(config: Config, script: ScriptDirectory, connection: Connection) -> None:
+    def steps(revision: Any, _context: MigrationContext) -> Any:
+        return script._upgrade_revs("head", revision)
+
+    with EnvironmentContext(config, script, fn=steps) as environment:
+        environment.configure(
+            connection=connection,
+            target_metadata=metadata,
+            version_table=VERSION_TABLE,
+            transactional_ddl=True,
+        )
+        # The connection is already in our transaction, so Alembic joins it.
+        with environment.begin_transaction():
+            environment.run_migrations()
+
+
+def model_drift(engine: Engine) -> list[Any]:
+    """Differences between the database and `schema.metadata` (empty when they agree)."""
+    with engine.connect() as connection:
+        context = MigrationContext.configure(
+            connection, opts={"version_table": VERSION_TABLE, "compare_type": True}
+        )
+        return list(compare_metadata(context, metadata))

@@ -1,0 +1,241 @@
+"""Recorders: where drivers hand their events, one at a time, as they happen.
+
+Rules kept here:
+- A `Recorder` has `record(event)`, `flush()` and `close()`. Drivers depend on the protocol
+  only, so a unit test passes a `NullRecorder` (keeps nothing) or a `ListRecorder` (keeps
+  the events in memory) and a real run passes a `BatchingRecorder`.
+- `BatchingRecorder.record` never waits for the database. It checks the event on the
+  caller's thread (so a bad event fails where it was made, with `EventRefused`), then puts
+  the row on a queue; a background writer thread appends full batches of `batch_size` as soon
+  as they are there, and whatever is left once `flush_interval` seconds pass without a full
+  batch. Every batch is one `EventStore.append_encoded`, one transaction: a crash loses the
+  queued tail, never half a batch.
+- `flush()` returns once everything recorded before it is in the database; `close()` drains
+  the queue, stops the writer and is idempotent. A recorder that is never closed is closed at
+  interpreter exit.
+- If the writer cannot write, it stops; the next `record`, `flush` or `close` raises
+  `RecorderError` saying what failed and how many events were not written.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from collections import deque
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
+
+from ._core import Event, validate
+from .encoding import EncodedEvent, encode_event
+from .errors import RecorderError
+from .event_store import EventStore
+
+
+@runtime_checkable
+class Recorder(Protocol):
+    """Where a driver sends every event it produces."""
+
+    def record(self, event: Event) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullRecorder:
+    """Keeps nothing; the default in unit tests."""
+
+    def record(self, event: Event) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ListRecorder:
+    """Keeps every event in `events`, in order; checks each against the schema by default."""
+
+    def __init__(self, *, check: bool = True) -> None:
+        self.events: list[Event] = []
+        self._check = check
+        self.closed = False
+
+    def record(self, event: Event) -> None:
+        if self.closed:
+            raise RecorderError("record() on a closed ListRecorder")
+        if self._check:
+            validate(event)
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def of_type(self, *types: type[Event]) -> list[Event]:
+        return [e for e in self.events if isinstance(e, types)]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+class _FlushMark:
+    """Put on the queue by `flush()`; set once the writer has written all that came before."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class BatchingRecorder:
+    """Writes events to an `EventStore` in batches, from a background thread."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        run_id: str,
+        *,
+        batch_size: int = 2000,
+        flush_interval: float = 0.5,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if flush_interval <= 0:
+            raise ValueError("flush_interval must be positive")
+        store.run(run_id)  # RunNotFound now rather than from the writer thread later
+        self.store, self.run_id = store, run_id
+        self.batch_size, self.flush_interval = batch_size, flush_interval
+        # deque.append/popleft are atomic, so record() takes no lock.
+        self._queue: deque[EncodedEvent | _FlushMark] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._lost = 0
+        self._in_flight = 0  # rows of the batch being written right now
+        self._marks = 0  # flush marks in the queue: the writer must write up to them
+        self._marks_lock = threading.Lock()
+        self.written = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvplane-recorder-{run_id[:8]}", daemon=True
+        )
+        self._thread.start()
+        atexit.register(self.close)
+
+    # --- the caller's side ---
+
+    def record(self, event: Event) -> None:
+        """Check the event and queue it; raises `EventRefused` for an unfit event."""
+        self._raise_if_unusable()
+        self._queue.append(encode_event(event))
+        if len(self._queue) >= self.batch_size and not self._wake.is_set():
+            self._wake.set()
+
+    def flush(self) -> None:
+        """Wait until every event recorded so far is in the store."""
+        self._raise_if_unusable()
+        self._flush()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Write everything still queued, then stop the writer. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._error is None:
+            self._flush()
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._raise_if_failed()
+
+    @property
+    def pending(self) -> int:
+        """Events recorded but not yet written."""
+        return sum(1 for item in list(self._queue) if not isinstance(item, _FlushMark))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _flush(self) -> None:
+        mark = _FlushMark()
+        with self._marks_lock:
+            self._marks += 1
+        self._queue.append(mark)
+        self._wake.set()
+        while not mark.done.wait(0.05):
+            if not self._thread.is_alive():
+                break
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise RecorderError(f"recorder for run {self.run_id} is closed")
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RecorderError(
+                f"recorder for run {self.run_id} stopped writing after {self.written} events "
+                f"({self._lost} not written): {self._error!r}"
+            ) from self._error
+
+    # --- the writer thread ---
+
+    def _run(self) -> None:
+        last_write = time.monotonic()
+        try:
+            while True:
+                woken = self._wake.wait(self.flush_interval)
+                self._wake.clear()
+                # Full batches always; the rest once the interval has passed without a full
+                # batch, when a flush asks for it (a mark in the queue), or when stopping.
+                overdue = not woken or time.monotonic() - last_write >= self.flush_interval
+                if self._drain(everything=overdue or self._stopping):
+                    last_write = time.monotonic()
+                if self._stopping and not self._queue:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - kept, and raised on the owner's next call
+            self._error = exc
+            self._lost = self._in_flight + self.pending
+            for item in list(self._queue):
+                if isinstance(item, _FlushMark):
+                    item.done.set()
+
+    def _drain(self, *, everything: bool) -> bool:
+        """Write what is due; True if anything was written."""
+        queue, wrote = self._queue, False
+        while queue and (everything or self._marks or len(queue) >= self.batch_size):
+            batch: list[EncodedEvent] = []
+            mark: _FlushMark | None = None
+            while queue and len(batch) < self.batch_size:
+                item = queue.popleft()
+                if isinstance(item, _FlushMark):
+                    mark = item
+                    break
+                batch.append(item)
+            if batch:
+                self._in_flight = len(batch)
+                self.store.append_encoded(self.run_id, batch)
+                self.written += len(batch)
+                self._in_flight = 0
+                wrote = True
+            if mark is not None:
+                with self._marks_lock:
+                    self._marks -= 1
+                mark.done.set()
+        return wrote

@@ -1,0 +1,105 @@
+"""The tables, as SQLAlchemy 2 declarative models; the read side's map of the database.
+
+Rules kept here:
+- `runs`: one row per recorded run (sim, live, replay or import), with an optional parent run
+  (a replay or a what-if points at the run it came from), free-form `meta` and the event
+  `schema_version` its events were written with.
+- `events`: one row per event, keyed by (run, seq); seq is contiguous from 0 within a run, so
+  the order of a run is the order of its keys. The common fields (`time` = the event's `at`,
+  `type`, `request`, `instance`) are columns, so aggregate SQL needs no JSON; the rest of the
+  event is the `payload` JSON exactly as `kvplane.core.events.encode` produced it.
+- The migrations in `migrations/versions` create exactly these tables; a test compares them.
+  Change a model only together with a new migration.
+
+Dashboards query `runs_table` and `events_table` (plain `Table` objects) with the engine from
+`EventStore.engine`. JSON fields work on both backends through SQLAlchemy, for example
+`events_table.c.payload["bytes"].as_integer()`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Final, Literal, get_args
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeEngine
+
+RunKind = Literal["sim", "live", "replay", "import"]
+RUN_KINDS: Final[tuple[str, ...]] = get_args(RunKind)
+
+#: The Alembic version table; named for this project so a shared PostgreSQL database that
+#: also hosts another Alembic-managed schema does not mix the two histories.
+VERSION_TABLE: Final = "schema_meta"
+
+# Names are fixed so that migrations, models and both backends agree on them.
+NAMING: Final[dict[str, str]] = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def json_type() -> TypeEngine[Any]:
+    """JSON on both backends: text in SQLite, `json` in PostgreSQL.
+
+    Not JSONB: JSONB turns every number of a block list into a `numeric` on the way in,
+    which made COPY about 1.7x slower here; queries can still cast (`payload::jsonb`).
+    """
+    return JSON()
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class RunRow(Base):
+    __tablename__ = "runs"
+    __table_args__ = (CheckConstraint("kind IN ('sim', 'live', 'replay', 'import')", name="kind"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    scenario: Mapped[str] = mapped_column(Text)
+    started: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    parent: Mapped[str | None] = mapped_column(
+        String(36), ForeignKey("runs.id", ondelete="SET NULL"), index=True
+    )
+    meta: Mapped[dict[str, Any]] = mapped_column(json_type())
+    schema_version: Mapped[int] = mapped_column(Integer)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (
+        Index("ix_events_run_type", "run", "type"),
+        Index("ix_events_run_request", "run", "request"),
+    )
+
+    run: Mapped[str] = mapped_column(
+        String(36), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    time: Mapped[float] = mapped_column(Double)
+    type: Mapped[str] = mapped_column(String(64))
+    request: Mapped[str | None] = mapped_column(Text)
+    instance: Mapped[str] = mapped_column(Text)
+    payload: Mapped[dict[str, Any]] = mapped_column(json_type())
+
+
+metadata: Final[MetaData] = Base.metadata
+runs_table: Final[Table] = RunRow.__table__  # type: ignore[assignment]
+events_table: Final[Table] = EventRow.__table__  # type: ignore[assignment]

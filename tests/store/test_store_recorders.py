@@ -1,0 +1,225 @@
+"""Recorders: the null and list recorders, and the batching recorder against every backend,
+including a writer killed with SIGKILL in the middle of its batches."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from store_samples import every_type_samples
+
+from kvplane.core.errors import SchemaError
+from kvplane.core.events import BlocksReserved, Event, RequestArrived
+from kvplane.store import (
+    BatchingRecorder,
+    EventRefused,
+    EventStore,
+    ListRecorder,
+    NullRecorder,
+    Recorder,
+    RecorderError,
+    RunNotFound,
+    open_store,
+)
+
+HERE = Path(__file__).resolve().parent
+
+
+def blocks(i: int) -> BlocksReserved:
+    return BlocksReserved(at=float(i), instance="p0", request=f"r{i % 7}", blocks=(i, i + 1),
+                          purpose="prefill")  # fmt: skip
+
+
+def bad_event() -> Event:
+    return BlocksReserved(at=1.0, instance="p0", blocks=(1,), purpose="nope")  # type: ignore[arg-type]
+
+
+# --- null and list -----------------------------------------------------------------------------
+
+
+def test_null_and_list_recorders() -> None:
+    null, kept = NullRecorder(), ListRecorder()
+    for recorder in (null, kept):
+        assert isinstance(recorder, Recorder)
+    samples = every_type_samples(1)
+    for event in samples:
+        null.record(event)
+        kept.record(event)
+    null.flush(), null.close(), kept.flush()
+    assert kept.events == samples and len(kept) == len(samples)
+    assert kept.of_type(RequestArrived) == [e for e in samples if isinstance(e, RequestArrived)]
+    with pytest.raises(SchemaError):
+        kept.record(bad_event())
+    assert len(kept) == len(samples)
+    kept.close()
+    with pytest.raises(RecorderError):
+        kept.record(samples[0])
+    unchecked = ListRecorder(check=False)
+    unchecked.record(bad_event())
+    assert len(unchecked) == 1
+
+
+# --- batching, on every backend -------------------------------------------------------------
+
+
+def test_batching_recorder_drains_everything_on_close(store: EventStore) -> None:
+    run = store.create_run("sim", "drain")
+    recorder = BatchingRecorder(store, run, batch_size=256, flush_interval=30)
+    assert isinstance(recorder, Recorder)
+    events = [blocks(i) for i in range(10_007)]  # not a multiple of the batch size
+    for event in events:
+        recorder.record(event)
+    recorder.close()
+    recorder.close()  # idempotent
+    assert recorder.written == len(events) and recorder.pending == 0
+    assert store.count(run) == len(events)
+    assert list(store.events(run)) == events
+    with pytest.raises(RecorderError, match="closed"):
+        recorder.record(events[0])
+
+
+def test_batching_recorder_flush_makes_events_visible(store: EventStore) -> None:
+    run = store.create_run("sim", "flush")
+    with BatchingRecorder(store, run, batch_size=1000, flush_interval=30) as recorder:
+        for i in range(10):
+            recorder.record(blocks(i))
+        recorder.flush()
+        assert store.count(run) == 10
+        recorder.flush()  # nothing new: still fine
+        recorder.record(blocks(10))
+    assert store.count(run) == 11
+
+
+def test_batching_recorder_writes_partial_batches_after_the_interval(store: EventStore) -> None:
+    run = store.create_run("sim", "interval")
+    with BatchingRecorder(store, run, batch_size=1000, flush_interval=0.05) as recorder:
+        for i in range(3):
+            recorder.record(blocks(i))
+        deadline = time.monotonic() + 10
+        while store.count(run) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.count(run) == 3
+
+
+def test_batching_recorder_many_producer_threads(store: EventStore) -> None:
+    run = store.create_run("live", "threads")
+    with BatchingRecorder(store, run, batch_size=100, flush_interval=0.05) as recorder:
+
+        def produce(k: int) -> None:
+            for i in range(1000):
+                recorder.record(blocks(10_000 * k + i))
+
+        threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    got = [int(e.at) for e in store.events(run)]
+    assert sorted(got) == sorted(10_000 * k + i for k in range(4) for i in range(1000))
+    for k in range(4):  # each producer's events stay in its own order
+        mine = [a for a in got if a // 10_000 == k]
+        assert mine == sorted(mine)
+
+
+def test_batching_recorder_refuses_bad_events_at_the_call(store: EventStore) -> None:
+    run = store.create_run("sim", "bad")
+    with BatchingRecorder(store, run, batch_size=4, flush_interval=30) as recorder:
+        recorder.record(blocks(0))
+        with pytest.raises(EventRefused, match="purpose"):
+            recorder.record(bad_event())
+        recorder.record(blocks(1))
+    assert list(store.events(run)) == [blocks(0), blocks(1)]
+
+
+def test_batching_recorder_needs_a_real_run(store: EventStore) -> None:
+    with pytest.raises(RunNotFound):
+        BatchingRecorder(store, "no-such-run")
+    run = store.create_run("sim", "args")
+    with pytest.raises(ValueError):
+        BatchingRecorder(store, run, batch_size=0)
+
+
+def test_batching_recorder_reports_a_failed_writer(store: EventStore) -> None:
+    run = store.create_run("sim", "doomed")
+    recorder = BatchingRecorder(store, run, batch_size=10, flush_interval=30)
+    recorder.record(blocks(0))
+    recorder.flush()
+    store.delete_run(run)  # the writer's next batch has no run to go to
+    for i in range(25):
+        recorder.record(blocks(i))
+    deadline = time.monotonic() + 10
+    while recorder._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(RecorderError, match=r"after 1 events \(25 not written\)"):
+        recorder.record(blocks(99))
+    with pytest.raises(RecorderError):
+        recorder.close()
+
+
+# --- a writer killed mid-batch ---------------------------------------------------------------
+
+
+def test_writer_killed_mid_batch_leaves_only_whole_batches(store_url: str) -> None:
+    batch_size = 500
+    setup = open_store(store_url)
+    run = setup.create_run("live", "crash")
+    setup.close()
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "crash_writer.py"), store_url, run, str(batch_size)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line.strip() == "started", child.stderr.read() if child.stderr else ""
+        time.sleep(0.7)  # let it get well into later batches
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+    reopened = open_store(store_url)
+    try:
+        count = reopened.count(run)
+        assert count > 0 and count % batch_size == 0, count
+        events = list(reopened.events(run))
+        assert [int(e.at) for e in events] == list(range(count))
+        # The run still takes new batches, numbered on from the last whole one.
+        assert reopened.append(run, [blocks(0)]) == range(count, count + 1)
+        if reopened.engine.dialect.name == "sqlite":
+            with reopened.engine.connect() as conn:
+                assert conn.execute(text("PRAGMA integrity_check")).scalar_one() == "ok"
+    finally:
+        reopened.close()
+
+
+def test_a_recorder_never_closed_is_drained_at_exit(store_url: str) -> None:
+    setup = open_store(store_url)
+    run = setup.create_run("sim", "forgotten")
+    setup.close()
+    script = (
+        "import sys\n"
+        "from kvplane.core.events import BlocksReserved\n"
+        "from kvplane.store import BatchingRecorder, open_store\n"
+        "r = BatchingRecorder(open_store(sys.argv[1]), sys.argv[2], batch_size=64,"
+        " flush_interval=3600)\n"
+        "for i in range(1000):\n"
+        "    r.record(BlocksReserved(at=i, instance='p', blocks=(i,), purpose='reuse'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, store_url, run],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with open_store(store_url) as reopened:
+        assert reopened.count(run) == 1000
