@@ -5,10 +5,11 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-EXTRAS ?= sim,postgres,dev
-STAMP  := $(VENV)/.installed-$(subst ,,$(EXTRAS))
+EXTRAS ?= sim,postgres,dashboard,live,dev
+STAMP  := $(VENV)/.installed-kvplane
+LIVE   := $(VENV)/.installed-live
 
-.PHONY: demo test setup system-deps lint clean
+.PHONY: demo test setup setup-live system-deps lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,13 @@ $(STAMP): pyproject.toml | $(PY)
 
 setup: $(STAMP)
 
+# vLLM (CPU build) and NIXL for the live tests: about 2 minutes once, seconds afterwards.
+$(LIVE): scripts/install_live.sh | $(PY)
+	bash scripts/install_live.sh $(VENV)
+	touch $@
+
+setup-live: $(LIVE) $(STAMP)
+
 # Debian's PostgreSQL server for the store's contract tests (tests/conftest.py starts and stops it).
 system-deps:
 	@bash scripts/system_deps.sh
@@ -27,7 +35,7 @@ system-deps:
 demo: setup
 	$(VENV)/bin/kvplane demo
 
-test: system-deps setup
+test: system-deps setup-live
 	$(PY) -m pytest -q
 
 lint: setup

@@ -156,33 +156,75 @@ class BlockPool:
     Free blocks form a queue (freed blocks go to the back). With `run_blocks`, allocation cuts
     what it hands out into contiguous runs of geometric length with that mean, the
     fragmentation of a long-running server's pool; without it a fresh pool hands out in order.
+    The queue is a list with a moving head, so allocation costs per run, not per block.
     """
 
     def __init__(self, n: int, run_blocks: float | None, seed: int) -> None:
-        self.free: deque[int] = deque(range(n))
+        self.queue: list[int] = list(range(n))
+        self.head = 0
         self.capacity = n
         self.run_blocks = run_blocks
         self.rng = np.random.default_rng(seed)
 
+    @property
+    def free(self) -> int:
+        return len(self.queue) - self.head
+
     def take(self, n: int) -> tuple[int, ...] | None:
-        if n > len(self.free):
+        if n > self.free:
             return None
-        free = self.free
+        q, h = self.queue, self.head
         if self.run_blocks is None:
-            return tuple(free.popleft() for _ in range(n))
-        out: list[int] = []
-        lengths = self.rng.geometric(1.0 / self.run_blocks, size=n).tolist()
-        for length in lengths:
-            take = min(length, n - len(out))
-            out.extend(free.popleft() for _ in range(take))
-            if len(out) >= n:
-                break
-            if len(free) > n - len(out):
-                free.rotate(-1)  # skip one free block: the next run starts elsewhere
+            out = q[h:h + n]
+            h += n
+        else:
+            out = []
+            for length in self.rng.geometric(1.0 / self.run_blocks, size=n).tolist():
+                take = min(length, n - len(out))
+                out += q[h:h + take]
+                h += take
+                if len(out) >= n:
+                    break
+                if len(q) - h > n - len(out):
+                    q.append(q[h])  # skip one free block: the next run starts elsewhere
+                    h += 1
+        if h > 65536 and h > len(q) // 2:
+            del q[:h]
+            h = 0
+        self.head = h
         return tuple(out)
 
     def give(self, blocks: tuple[int, ...]) -> None:
-        self.free.extend(blocks)
+        self.queue.extend(blocks)
+
+
+class PrefixCache:
+    """Prefill's automatic prefix cache: block hashes it holds, least recently used evicted.
+
+    Recency is a stamp per hash, updated in bulk; eviction trims to capacity in batches, so
+    the cost per request is a few C-level dict operations, not a Python loop per block.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.stamp: dict[int, int] = {}
+        self.clock = 0
+
+    def leading_hits(self, hashes: list[int]) -> int:
+        n = 0
+        stamp = self.stamp
+        for h in hashes:
+            if h not in stamp:
+                break
+            n += 1
+        return n
+
+    def touch(self, hashes: list[int]) -> None:
+        self.clock += 1
+        self.stamp.update(dict.fromkeys(hashes, self.clock))
+        if len(self.stamp) > self.capacity * 1.25:
+            keep = sorted(self.stamp.items(), key=lambda kv: kv[1])[-self.capacity:]
+            self.stamp = dict(keep)
 
 
 class Instance:
@@ -241,7 +283,7 @@ class PrefillInstance(Instance):
         self.core = P.PrefillCore(name, cfg.prefill_layout, cfg.kv_timeout)
         self.queue: deque[SimRequest] = deque()
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
-        self.cache: OrderedDict[int, None] = OrderedDict()  # prefix cache: block hash -> present
+        self.cache = PrefixCache(self.pool.capacity)
         self.busy = 0
         sim.env.process(self.loop())
 
@@ -260,23 +302,14 @@ class PrefillInstance(Instance):
         """Tokens of the prompt found in this instance's prefix cache (whole leading blocks)."""
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return 0
-        n = 0
-        for h in r.hashes.tolist():
-            if h not in self.cache:
-                break
-            n += 1
+        n = self.cache.leading_hits(r.hashes.tolist())
         bs = self.layout.block_size
         return min(n * bs, max(r.prompt - 1, 0) // bs * bs)
 
     def remember(self, r: SimRequest) -> None:
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return
-        cache = self.cache
-        for h in r.hashes.tolist():
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > self.pool.capacity:
-            cache.popitem(last=False)
+        self.cache.touch(r.hashes.tolist())
 
     def loop(self) -> Iterator[Any]:
         env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
@@ -375,7 +408,7 @@ class DecodeInstance(Instance):
     @property
     def load(self) -> Load:
         return Load(self.name, len(self.running) + len(self.loading) + len(self.joining),
-                    len(self.waiting), len(self.pool.free))
+                    len(self.waiting), self.pool.free)
 
     def on_freed(self) -> None:
         if not self.admit_wake.triggered:
