@@ -164,6 +164,28 @@ def _inconsistent(sc: Scenario, f: PublishedFigure) -> str:
     return ""
 
 
+def sensitivity(sc: Scenario, runs: Sequence[float | None] = (None, 9.0, 6.2, 4.0)
+                ) -> list[str]:
+    """The high-load push/pull figures against decode-pool fragmentation, the one unknown
+    they depend on most (the articles do not publish it)."""
+    lines = ["Sensitivity of the high-load predictions (8 QPS, 16k in) to decode-pool "
+             "fragmentation (mean contiguous run, blocks; the seed assumes "
+             f"{sc.engine.pool_run_blocks}):", "",
+             "| mean run | TTFT push | TTFT pull | pull/push | TPOT push | TPOT pull | "
+             "pull/push |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        engine = sc.engine.model_copy(update={"pool_run_blocks": r})
+        pts = {p.mode: simulate(p, drain=False)[1]
+               for p in sc.model_copy(update={"engine": engine}).points()
+               if p.qps == 8 and p.input_len == 16384}
+        a, b = pts["push"], pts["pull"]
+        lines.append(f"| {r if r is not None else 'fresh pool'} | {a['ttft_ms']['mean']:.0f} | "
+                     f"{b['ttft_ms']['mean']:.0f} | {b['ttft_ms']['mean'] / a['ttft_ms']['mean']:.2f}x"
+                     f" | {a['tpot_ms']['mean']:.2f} | {b['tpot_ms']['mean']:.2f} | "
+                     f"{b['tpot_ms']['mean'] / a['tpot_ms']['mean']:.2f}x |")
+    return lines
+
+
 def run_validation(jobs: int = 0) -> tuple[bool, str]:
     from .runner import run_scenario
 
@@ -191,6 +213,7 @@ def run_validation(jobs: int = 0) -> tuple[bool, str]:
     if notes:
         lines += ["", "Inconsistent anchors:"]
         lines += [f"- {c.name}: {c.anchor_note}." for c in notes]
+    lines += ["", *sensitivity(pp)]
     failed = [c for c in checks if not c.ok and not c.anchor_note]
     lines += ["", f"{sum(c.ok for c in checks)} of {len(checks)} checks pass; "
               f"{len(failed)} fail; {len(notes)} miss an inconsistent published anchor."]
