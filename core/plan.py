@@ -8,7 +8,8 @@ Rules kept here:
   run; a fragmented pool yields many runs. The walk visits block boundaries only, so planning
   costs O(blocks), not O(tokens).
 - Fan-out over tensor parallelism: KV heads are split evenly over a side's ranks (replicated
-  when a side has more ranks than KV heads). Every head a consumer rank needs is written by the
+  when a side has more ranks than KV heads); a layout whose heads and ranks do not divide one
+  another is refused when built (`ValueError`). Every head a consumer rank needs is written by the
   lowest producer rank holding it. Each (producer, consumer) pair with heads in common is one
   stream, and each stream ends with one completion notification: a consumer rank has received
   the KV when every producer rank writing to it has notified.

@@ -5,7 +5,8 @@ either order; the second one matches them and plans the WRITE. Rules kept:
 - Matching is by (request id, attempt). A re-issued request gets a new attempt; anything that
   still arrives for an older attempt is dropped, never matched. The new attempt's registration
   may arrive before prefill hears of the re-issue: it is kept, and the re-issue ends only the
-  older attempts.
+  older attempts. A late or duplicate re-issue (to an attempt not newer than one seen) is a
+  no-op.
 - A WRITE starts only while decode still waits for it. A registration carries decode's KV wait
   deadline; when `now + write_margin >= deadline` it is dropped (`RegistrationDropped`), never
   matched, because decode frees its blocks once the wait times out. `write_margin` is the
@@ -467,13 +468,12 @@ class PrefillCore(Machine[PrefillCommand]):
         ]
 
     def _reissue(self, cmd: Reissue, now: float) -> list[Event]:
-        # the new attempt may already be known (its registration came first); it must not be
-        # older than anything seen, nor re-issued twice
+        # The new attempt may already be known (its registration came first). A re-issue to an
+        # attempt older than one already seen, or a second one to the same attempt, is a late or
+        # duplicate message: the newer attempt already superseded it, so it changes nothing.
         last = max(self.latest.get(cmd.request, -1), self.reissued.get(cmd.request, -1) + 1)
         if cmd.attempt < last:
-            raise ProtocolError(
-                self.name, f"attempt {last}", "Reissue", f"attempt {cmd.attempt} is not newer"
-            )
+            return []
         out: list[Event] = [
             RequestReissued(
                 at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt

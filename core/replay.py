@@ -5,7 +5,7 @@ fold of the events (it does not reuse the machines' own bookkeeping), so a bug i
 shows up as a violation here instead of hiding behind itself.
 
 Invariants (each violation names the rule, the event and why):
-- `double-allocation`: a block reserved while another request owns it.
+- `double-allocation`: a block reserved while another request owns it (or twice in one go).
 - `double-free`: a block freed that the request (that attempt of it) does not own.
 - `foreign-blocks`: a transfer planned into (or out of) blocks not reserved for that attempt of
   the request on that instance, or a lease granted over blocks the request does not own.

@@ -388,6 +388,17 @@ class Pair:
             fold(self.log, m)
         return p, d, r
 
+    def assert_one_kv_outcome(self) -> None:
+        """Each wait of decode for KV ends at most once: received or failed, never both."""
+        from kvplane.core.events import KVLoadFailed
+
+        seen: dict[tuple[str, int], str] = {}
+        for e in self.log:
+            if isinstance(e, (KVReceived, KVLoadFailed)):
+                key = (e.request or "", e.attempt)
+                assert key not in seen, f"{key}: {type(e).__name__} after {seen[key]}"
+                seen[key] = type(e).__name__
+
     def assert_replay_equals_live(self) -> None:
         p, d, r = self.refold()
         assert state_of(p) == state_of(self.prefill)
@@ -399,11 +410,11 @@ class Pair:
         return tenant if self.tenant_salt else ""
 
     def retain(self, req: str, tenant: str, conversation: str, tokens: Sequence[int], *,
-               ttl: float = 20.0, renewable: bool = False) -> dc.Retain:
+               attempt: int = 0, ttl: float = 20.0, renewable: bool = False) -> dc.Retain:
         """What decode keeps when `req` (a turn of `conversation`) finishes."""
         self.conversations[req] = (conversation, tenant)
         hashes = block_hashes(tokens, self.d_layout.block_size, self.salt(tenant))
-        return dc.Retain(lease_of(req), ttl, renewable, len(tokens), hashes)
+        return dc.Retain(lease_of(req, attempt), ttl, renewable, len(tokens), hashes)
 
     def reuse(self, req: str, tenant: str, conversation: str, tokens: Sequence[int], *,
               attempt: int = 0, threshold: int = 16, local_hit: int = 0) -> str:
@@ -443,8 +454,8 @@ def reader_of(req: str, attempt: int) -> str:
     return f"{P}:{req}#{attempt}"
 
 
-def lease_of(req: str) -> str:
-    return f"{D}/{req}/kv"
+def lease_of(req: str, attempt: int = 0) -> str:
+    return f"{D}/{req}#{attempt}/kv"
 
 
 def state_of(m: pf.PrefillCore | dc.DecodeCore) -> dict[str, Any]:

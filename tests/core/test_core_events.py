@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvplane.core import events as ev
 from kvplane.core.errors import SchemaError
 
@@ -89,7 +90,7 @@ def test_event_types_are_frozen_slotted_and_named_in_the_past() -> None:
 
 
 @pytest.mark.parametrize(("name", "cls"), ALL_TYPES)
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=6, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_round_trip_every_type(name: str, cls: type[ev.Event], data: st.DataObject) -> None:
     event = data.draw(events_of(cls))

@@ -7,6 +7,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvplane.core.errors import PeerError
 from kvplane.core.plan import KVLayout, Run, Stream, fan_out, merge_runs, plan_transfer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvplane.core.hashing import block_hashes, chain_ids, matching_prefix
 from kvplane.core.reuse import RetainedHandle, decide_reuse
 
