@@ -175,6 +175,31 @@ def replay(
     typer.secho("no invariant violated", fg=typer.colors.GREEN)
 
 
+calibrate_app = typer.Typer(help="Measure this machine's costs for the simulator's profiles.",
+                            no_args_is_help=True)
+app.add_typer(calibrate_app, name="calibrate")
+
+
+@calibrate_app.command("nixl")
+def calibrate_nixl(
+    device: Annotated[str, typer.Option(help="cpu (host memory) or cuda (GPU memory; two "
+                                        "GPUs when present: one per process).")] = "cpu",
+    mib: Annotated[int, typer.Option(help="Buffer size per side, MiB.")] = 256,
+    repeats: Annotated[int, typer.Option(help="Repeats per figure (the median is kept).")] = 5,
+    out: Annotated[Optional[Path], typer.Option(help="Also write the YAML block here.")] = None,  # noqa: UP045
+) -> None:
+    """Time NIXL WRITE/READ bandwidth, per-descriptor cost, latency and set-up costs between
+    two processes, moving real bytes, and print them as a sourced hardware-profile block."""
+    if device not in ("cpu", "cuda"):
+        _fail("--device must be cpu or cuda")
+    from kvplane.live.calibrate import as_profile_yaml, measure
+
+    text = as_profile_yaml(measure(device, mib << 20, repeats), device)
+    typer.echo(text)
+    if out is not None:
+        out.write_text(text + "\n")
+
+
 @app.command()
 def demo(db: DbOpt = None) -> None:
     """Reproduce push vs pull on the embedded defaults and leave the run in the store.
