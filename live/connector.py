@@ -1,0 +1,280 @@
+"""KvplaneConnector: the vLLM KV connector whose protocol decisions kvplane.core makes.
+
+Load it into stock vLLM with
+
+    --kv-transfer-config '{"kv_connector": "KvplaneConnector",
+                           "kv_connector_module_path": "kvplane.live.connector",
+                           "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                           "kv_connector_extra_config": {"instance": "prefill-0", ...}}'
+
+(settings: `connector_config.ConnectorConfig`; request contract: docs/notes/live-protocol.md).
+
+The class is a facade: vLLM makes it once in the scheduler process (role SCHEDULER: the
+`SchedulerHalf`, which holds the instance's `PrefillCore` and `DecodeCore`) and once per worker
+(role WORKER: the `WorkerHalf`, which registers the KV cache with NIXL and runs the transfer
+thread). Each hook forwards to the half of its role.
+
+vLLM is imported lazily: `KvplaneConnector` (and its stats classes) are built on first
+attribute access (`getattr(module, "KvplaneConnector")`, which is how vLLM's factory loads it),
+so importing this module stays cheap and works where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KvplaneConnector"]  # noqa: F822 - built on first access (__getattr__)
+
+_BUILT: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("KvplaneConnector", "KvplaneStats", "KvplanePromMetrics"):
+        if not _BUILT:
+            _BUILT.update(_build())
+        return _BUILT[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def layout_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Any:
+    """Our `KVLayout` of this instance's KV cache, from vLLM's KV cache config."""
+    from kvplane.core.plan import KVLayout
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise NotImplementedError(f"KvplaneConnector needs one KV cache group, got {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    num_layers = len(groups[0].layer_names)
+    return KVLayout(block_size=int(spec.block_size),
+                    tp=int(vllm_config.parallel_config.tensor_parallel_size),
+                    num_layers=num_layers,
+                    num_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+                    head_bytes=int(spec.head_size) * int(spec.dtype.itemsize))
+
+
+def _build() -> dict[str, Any]:
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
+    from kvplane.live.connector_config import ConnectorConfig
+    from kvplane.live.connector_scheduler import SchedulerHalf
+    from kvplane.live.connector_wire import KvplaneMeta, KvplaneWorkerMeta
+    from kvplane.live.connector_worker import WorkerHalf
+    from kvplane.live.recording import open_recorder
+
+    logger = logging.getLogger("kvplane.live.connector")
+
+    class KvplaneStats(KVConnectorStats):  # type: ignore[misc]
+        """Bytes, descriptors and seconds of the transfers a worker finished, per interval."""
+
+        def __post_init__(self) -> None:
+            if not self.data:
+                self.reset()
+
+        def reset(self) -> None:
+            self.data = {"bytes": [], "descriptors": [], "seconds": [], "ops": [], "failed": 0}
+
+        def aggregate(self, other: Any) -> KvplaneStats:
+            o = other.data if isinstance(other, KVConnectorStats) else dict(other or {})
+            for key in ("bytes", "descriptors", "seconds", "ops"):
+                self.data[key] = list(self.data.get(key, [])) + list(o.get(key, []))
+            self.data["failed"] = int(self.data.get("failed", 0)) + int(o.get("failed", 0))
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            d = self.data
+            return {"kvplane_transfers": len(d.get("bytes", [])),
+                    "kvplane_bytes": int(sum(d.get("bytes", []))),
+                    "kvplane_descriptors": int(sum(d.get("descriptors", []))),
+                    "kvplane_seconds": round(float(sum(d.get("seconds", []))), 6),
+                    "kvplane_failed": int(d.get("failed", 0))}
+
+        def is_empty(self) -> bool:
+            return not self.data.get("bytes") and not self.data.get("failed")
+
+    class KvplanePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+        """`vllm:kvplane_*` counters, per engine."""
+
+        def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any,
+                     per_engine_labelvalues: Any) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+            def counter(name: str, doc: str) -> Any:
+                c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                return create_metric_per_engine(c, per_engine_labelvalues)
+
+            self.bytes = counter("vllm:kvplane_bytes_transferred",
+                                 "KV bytes moved by KvplaneConnector's NIXL transfers (READ and "
+                                 "WRITE, counted by the worker that posted them).")
+            self.transfers = counter("vllm:kvplane_transfers",
+                                     "KvplaneConnector transfers that completed.")
+            self.descriptors = counter("vllm:kvplane_descriptors",
+                                       "NIXL descriptors of KvplaneConnector's transfers.")
+            self.failed = counter("vllm:kvplane_failed_transfers",
+                                  "KvplaneConnector transfers that failed or timed out.")
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            d = transfer_stats_data or {}
+            if d.get("bytes"):
+                self.bytes[engine_idx].inc(int(sum(d["bytes"])))
+                self.transfers[engine_idx].inc(len(d["bytes"]))
+                self.descriptors[engine_idx].inc(int(sum(d.get("descriptors", []))))
+            if d.get("failed"):
+                self.failed[engine_idx].inc(int(d["failed"]))
+
+    class KvplaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
+        """See the module docstring."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            ktc = vllm_config.kv_transfer_config
+            engine_id = str(ktc.engine_id or "")
+            self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config, engine_id)
+            self.sched: SchedulerHalf | None = None
+            self.worker: WorkerHalf | None = None
+            self._last_meta: Any = None
+            if role == KVConnectorRole.SCHEDULER:
+                if vllm_config.cache_config.enable_prefix_caching:
+                    logger.warning(
+                        "KvplaneConnector: prefix caching is on; blocks shared between "
+                        "requests make the recorded block ledger report double allocations. "
+                        "Run P/D instances with --no-enable-prefix-caching.")
+                layout = layout_from_vllm(vllm_config, kv_cache_config)
+                recorder = open_recorder(
+                    self.cfg.kvplane_db, self.cfg.kvplane_run or engine_id,
+                    instance=self.cfg.instance,
+                    meta={"driver": "vllm", "connector": "KvplaneConnector"})
+                self.sched = SchedulerHalf(self.cfg, layout, engine_id, recorder)
+                logger.info("KvplaneConnector scheduler half for %s: %s", self.cfg.instance,
+                            layout)
+            else:
+                from vllm.distributed.parallel_state import get_tp_group
+
+                rank = int(get_tp_group().rank_in_group)
+                self.worker = WorkerHalf(
+                    self.cfg.instance, rank, progress_thread=self.cfg.progress_thread,
+                    post_to=(self.cfg.side_channel_host, self.cfg.side_channel_port))
+
+        # ---- scheduler side ----------------------------------------------------------------
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                       ) -> tuple[int | None, bool]:
+            assert self.sched is not None
+            return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+        def update_state_after_alloc(self, request: Any, blocks: Any,
+                                     num_external_tokens: int) -> None:
+            assert self.sched is not None
+            ids = blocks.get_block_ids()
+            self.sched.update_state_after_alloc(request, list(ids[0]) if ids else [],
+                                                num_external_tokens)
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            assert self.sched is not None
+            return self.sched.build_connector_meta()
+
+        def update_connector_output(self, connector_output: Any) -> None:
+            assert self.sched is not None
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, KvplaneWorkerMeta):
+                for fact in meta.facts:
+                    self.sched.on_fact(fact)
+            self.sched.drain()
+
+        def on_new_request(self, request: Any) -> None:
+            if self.sched is not None:
+                self.sched.on_new_request(request)
+
+        def request_finished(self, request: Any, block_ids: list[int]
+                             ) -> tuple[bool, dict[str, Any] | None]:
+            assert self.sched is not None
+            return self.sched.request_finished(request, block_ids)
+
+        def has_pending_push_work(self) -> bool:
+            return self.sched is not None and self.sched.has_pending_work()
+
+        def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+            assert self.sched is not None
+            self.sched.set_handshakes({int(rank): md.info for rank, md in metadata.items()})
+
+        def get_finished_count(self) -> int | None:
+            return None
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+            return KvplaneStats(data=data) if data is not None else KvplaneStats()
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: Any,
+                               per_engine_labelvalues: Any) -> Any:
+            return KvplanePromMetrics(vllm_config, metric_types, labelnames,
+                                      per_engine_labelvalues)
+
+        # ---- worker side -------------------------------------------------------------------
+
+        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+            assert self.worker is not None
+            self.worker.register_kv_caches(kv_caches)
+
+        def get_handshake_metadata(self) -> Any:
+            return self.worker.handshake() if self.worker is not None else None
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            if self.worker is None or not self.has_connector_metadata():
+                return
+            meta = self._get_connector_metadata()
+            if meta is self._last_meta:
+                return
+            self._last_meta = meta
+            if isinstance(meta, KvplaneMeta):
+                self.worker.start_step(meta)
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            return
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                          **kwargs: Any) -> None:
+            return
+
+        def wait_for_save(self) -> None:
+            return
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            if self.worker is None:
+                return KVConnectorTransferResults()
+            sending, recving, failed = self.worker.transfer_results()
+            return KVConnectorTransferResults(finished_sending=sending,
+                                              finished_recving=recving | failed,
+                                              failed_recving=failed)
+
+        def build_connector_worker_meta(self) -> Any:
+            return self.worker.worker_meta() if self.worker is not None else None
+
+        def get_kv_connector_stats(self) -> Any:
+            if self.worker is None:
+                return None
+            s = self.worker.take_stats()
+            return None if s is None or s.empty() else KvplaneStats(data=s.to_dict())
+
+        def shutdown(self) -> None:
+            if self.worker is not None:
+                self.worker.shutdown()
+            if self.sched is not None:
+                self.sched.shutdown()
+
+    for cls in (KvplaneConnector, KvplaneStats, KvplanePromMetrics):
+        # so that pickle (stats cross process boundaries) finds them through __getattr__
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    return {"KvplaneConnector": KvplaneConnector, "KvplaneStats": KvplaneStats,
+            "KvplanePromMetrics": KvplanePromMetrics}

@@ -1,0 +1,751 @@
+"""KvplaneConnector's scheduler half: vLLM's scheduler hooks in, kvplane.core decisions out.
+
+How it works:
+- One `PrefillCore` and one `DecodeCore` per instance (an instance is `kv_both`: each request's
+  `kv_transfer_params` say which side of an exchange it is on). Every vLLM hook becomes a core
+  command; the events the core returns are recorded and then carried out: a `TransferPlanned`
+  becomes a READ or WRITE order for the worker's transfer thread, a `RegistrationSent` a
+  notification order, a `BlocksFreed` of a finished request a `finished_sending` report, a
+  `KVReceived` a `finished_recving` report. Nothing here decides a protocol question itself.
+- Orders and reports leave with the next step's connector metadata; the worker carries out the
+  orders on its transfer thread and repeats the reports to vLLM in that same step, so vLLM frees
+  or schedules exactly what the core decided (one engine step after the decision).
+- Facts come back from the workers (a transfer ended, a notification arrived) in the step's
+  worker metadata; `update_connector_output` feeds them to the cores.
+- Request identity across instances is the transfer id (`kvplane.xfer` in the params), not
+  vLLM's request id: both legs of one exchange carry the same one, so a registration and its
+  prefill match, and the ledgers of both instances name the same request.
+- Time is the wall clock (`time.time()`): leases and deadlines cross instances, and the
+  recorded events of all instances are merged by time before replay.
+
+Requirements (checked or documented): TP 1; prefix caching off on both sides (the core's ledger
+gives every block one owner; vLLM's prefix cache would share blocks between requests); one block
+size on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplane.core import decode as dcore
+from kvplane.core import prefill as pcore
+from kvplane.core.errors import PeerError, ProtocolError
+from kvplane.core.events import (
+    BlocksFreed,
+    Event,
+    KVLoadFailed,
+    KVReceived,
+    LeaseExpired,
+    LeaseGranted,
+    LeaseReleased,
+    LeaseRenewed,
+    PrefillStarted,
+    RegistrationDropped,
+    RegistrationSent,
+    RequestArrived,
+    ReuseDecided,
+    TransferCompleted,
+    TransferFailed,
+    TransferPlanned,
+)
+from kvplane.core.hashing import block_hashes
+from kvplane.core.lease import Heartbeat, Release
+from kvplane.core.plan import KVLayout, plan_transfer
+from kvplane.live.connector_config import ConnectorConfig
+from kvplane.live.connector_wire import (
+    WIRE_VERSION,
+    Endpoint,
+    Fact,
+    KvplaneMeta,
+    Leg,
+    Order,
+    Retained,
+    SourceHandle,
+    block_runs,
+    decode_response,
+    encode_notif,
+    fact_from_bytes,
+    layout_from_dict,
+    layout_to_dict,
+    parse_leg,
+    prefill_response,
+)
+from kvplane.live.recording import SafeRecorder
+from kvplane.live.sidechannel import IDENTITY_KEY, SideChannelServer, rank_key
+
+logger = logging.getLogger(__name__)
+
+_OK_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
+_TICK_EVERY = 0.02
+
+
+@dataclass(slots=True)
+class Req:
+    """What the scheduler half knows about one vLLM request that takes part in an exchange."""
+
+    rid: str  # vLLM's request id
+    leg: Leg
+    request: Any  # vLLM's Request object
+    attempt: int  # the core attempt (a failed load on decode starts a new one)
+    blocks: list[int] = field(default_factory=list)  # blocks the core knows for this attempt
+    decision: list[Event] | None = None  # prefill: reuse decided, not yet applied
+    expected: bool = False  # decode: ExpectKV done (one transfer per request)
+    started: bool = False  # PrefillStarted recorded
+    preemptions: int = 0
+    # vLLM's view: "running", "waiting_kv" (async load in flight), "finished_waiting_kv"
+    # (finished while a load was in flight), "delay_send" (finished, blocks kept for us), "done"
+    vllm: str = "running"
+
+    @property
+    def role(self) -> str:
+        return self.leg.role
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.leg.role, self.leg.xfer, self.attempt)
+
+
+@dataclass(slots=True)
+class _Control:
+    """A lease renewal or release asked for on the side channel, done on the engine thread."""
+
+    kind: str  # "renew" | "release"
+    lease: str
+    reply: bytes | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+CONTROL_WAIT = 3.0  # seconds a side-channel control request waits for the engine thread
+
+
+class SchedulerHalf:
+    """The scheduler-side logic, free of vLLM imports so that unit tests can drive it."""
+
+    def __init__(self, cfg: ConnectorConfig, layout: KVLayout, engine_id: str,
+                 recorder: SafeRecorder, *, clock: Callable[[], float] = time.time,
+                 serve: bool = True) -> None:
+        if layout.tp != 1:
+            raise NotImplementedError("KvplaneConnector moves KV between TP-1 instances only")
+        self.cfg = cfg
+        self.layout = layout
+        self.clock = clock
+        self.recorder = recorder
+        self.me = Endpoint(cfg.instance, cfg.side_channel_host, cfg.side_channel_port, engine_id)
+        self.prefill = pcore.PrefillCore(cfg.instance, layout, hold_timeout=cfg.push_hold_timeout,
+                                         write_margin=cfg.write_margin)
+        self.decode = dcore.DecodeCore(cfg.instance, layout)
+        self.reqs: dict[str, Req] = {}
+        self.by_key: dict[tuple[str, str, int], Req] = {}
+        self.decode_of: dict[tuple[str, int], Endpoint] = {}  # push registrations: who to WRITE
+        self.retained_of: dict[tuple[str, int], Retained] = {}  # prefill: the handle being read
+        self.pending = KvplaneMeta()
+        self._last_tick = 0.0
+        # Facts the workers post straight to this process (see sidechannel.FactSender): they
+        # are applied on the engine thread, at the start of every hook, not a step later.
+        self.inbox: queue.SimpleQueue[Fact] = queue.SimpleQueue()
+        self.controls: queue.SimpleQueue[_Control] = queue.SimpleQueue()
+        self.published: dict[str, Retained] = {}  # retained lease -> its handle
+        self.side_channel = SideChannelServer(cfg.side_channel_host, cfg.side_channel_port,
+                                              on_post=self._posted,
+                                              on_request=self._control_request)
+        self._serve = serve
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    def set_handshakes(self, infos: dict[int, bytes]) -> None:
+        """The workers' transport handshakes: serve them (and our identity) on the side
+        channel."""
+        self.side_channel.update({rank_key(r): info for r, info in infos.items()})
+        cfg = self.cfg
+        self.side_channel.set(IDENTITY_KEY, json.dumps({
+            "v": WIRE_VERSION, "endpoint": self.me.to_dict(), "layout": layout_to_dict(self.layout),
+            "ranks": sorted(infos),
+            "settings": {"v": WIRE_VERSION, "modes": ["pull", "push"],
+                         "bidirectional_kv_xfer": cfg.bidirectional_kv_xfer,
+                         "decoder_kv_blocks_ttl": cfg.decoder_kv_blocks_ttl,
+                         "lease_renewable": cfg.lease_renewable,
+                         "lease_extension": cfg.lease_extension,
+                         "kv_recompute_threshold": cfg.kv_recompute_threshold,
+                         "kv_lease_duration": cfg.kv_lease_duration,
+                         "kv_wait_timeout": cfg.kv_wait_timeout,
+                         "signed_handles": bool(cfg.handle_key),
+                         "hash_salt": cfg.hash_salt}}).encode())
+        if self._serve:
+            self.side_channel.start()
+            logger.info("kvplane %s: side channel on %s:%d", self.me.instance,
+                        self.side_channel.host, self.side_channel.port)
+
+    def _posted(self, data: bytes) -> None:  # the side channel's thread
+        try:
+            self.inbox.put(fact_from_bytes(data))
+        except (ValueError, TypeError) as exc:
+            logger.warning("kvplane %s: unreadable fact from a worker: %s", self.me.instance, exc)
+
+    def drain(self) -> None:
+        """Apply the facts the workers posted, and the control requests that came on the side
+        channel, since the last hook (engine thread only)."""
+        while True:
+            try:
+                fact = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self.on_fact(fact)
+        while True:
+            try:
+                ctl = self.controls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                ctl.reply = self._control(ctl)
+            except Exception:
+                logger.exception("kvplane %s: %s of %s failed", self.me.instance, ctl.kind,
+                                 ctl.lease)
+            ctl.done.set()
+
+    # ---- lease control from the router (side channel) -----------------------------------------
+
+    def _verify(self, handle: Any) -> None:
+        """Raise `PeerError` unless `handle` carries a valid router signature (when a key is
+        configured)."""
+        if not self.cfg.handle_key:
+            return
+        from kvplane.live.router_handles import HandleError, verify_wire
+
+        try:
+            verify_wire(self.cfg.handle_key.encode(), handle)
+        except HandleError as exc:
+            raise PeerError(f"retained handle refused: {exc}") from exc
+
+    def _control_request(self, key: str) -> bytes | None:  # the side channel's thread
+        kind, _, rest = key.partition("/")
+        if kind == "retained":
+            return None  # published ones are payloads; anything else is unknown
+        if kind not in ("renew", "release"):
+            return None
+        try:
+            handle = json.loads(rest)
+            self._verify(handle)
+            lease = str(handle["lease"])
+            if Endpoint.from_dict(handle["source"]).instance != self.me.instance:
+                raise PeerError("the handle names another instance")
+        except (ValueError, KeyError, TypeError, PeerError) as exc:
+            logger.warning("kvplane %s: refused %s request: %s", self.me.instance, kind, exc)
+            return None
+        ctl = _Control(kind, lease)
+        self.controls.put(ctl)
+        if not ctl.done.wait(CONTROL_WAIT):
+            logger.warning("kvplane %s: %s of %s not handled within %.0f s", self.me.instance,
+                           kind, lease, CONTROL_WAIT)
+            return None
+        return ctl.reply
+
+    def _control(self, ctl: _Control) -> bytes | None:
+        now = self.clock()
+        if ctl.kind == "renew":
+            events = self._handle("decode", Heartbeat(ctl.lease, self.cfg.lease_extension), now)
+            renewed = next((e for e in events if isinstance(e, LeaseRenewed)), None)
+            if renewed is None:
+                return None
+            return json.dumps({"lease": ctl.lease, "expires_at": renewed.expires_at}).encode()
+        events = self._handle("decode", Release(ctl.lease, "released by the router"), now)
+        return json.dumps({"lease": ctl.lease, "released": bool(events)}).encode()
+
+    # ---- the core, recording and reacting -----------------------------------------------------
+
+    def _handle(self, role: str, cmd: Any, now: float) -> list[Event]:
+        core = self.prefill if role == "prefill" else self.decode
+        try:
+            events = core.handle(cmd, now)
+        except PeerError as exc:
+            logger.warning("kvplane %s: peer error on %s: %s", self.me.instance,
+                           type(cmd).__name__, exc)
+            return []
+        self.recorder.record_all(events)
+        self._react(role, events, now)
+        return events
+
+    def _record(self, *events: Event) -> None:
+        self.recorder.record_all(list(events))
+
+    def _react(self, role: str, events: Sequence[Event], now: float) -> None:
+        for ev in events:
+            attempt = getattr(ev, "attempt", 0)
+            req = self.by_key.get((role, ev.request or "", attempt))
+            if isinstance(ev, TransferPlanned):
+                self._order_transfer(role, ev, now)
+            elif isinstance(ev, RegistrationSent):
+                self._order_registration(ev, req, now)
+            elif isinstance(ev, RegistrationDropped) or isinstance(ev, TransferFailed) and ev.direction == "P->D" and role == "prefill":
+                self._tell_decode_failed(ev.request or "", ev.attempt, ev.reason)
+            if role == "decode" and isinstance(ev, (LeaseExpired, LeaseReleased, LeaseRenewed)):
+                self._republish(ev)
+            if req is None:
+                continue
+            if isinstance(ev, (KVReceived, KVLoadFailed)) or (
+                    isinstance(ev, (TransferCompleted, TransferFailed))
+                    and ev.direction == "D->P" and role == "prefill"):
+                failed = isinstance(ev, (KVLoadFailed, TransferFailed))
+                if req.vllm == "waiting_kv":
+                    self.pending.finished_recving.add(req.rid)
+                    if failed:
+                        self.pending.failed_recving.add(req.rid)
+                    req.vllm = "running"
+                    if failed and role == "decode" and isinstance(ev, KVLoadFailed):
+                        self._restart_decode_attempt(req, now, "KV load failed")
+            elif isinstance(ev, BlocksFreed):
+                if req.vllm == "delay_send":
+                    self.pending.finished_sending.add(req.rid)
+                    self._forget(req)
+                elif req.vllm == "finished_waiting_kv":
+                    self.pending.finished_recving.add(req.rid)
+                    self._forget(req)
+
+    def _republish(self, ev: Event) -> None:
+        lease = getattr(ev, "lease", "")
+        handle = self.published.get(lease)
+        if handle is None:
+            return
+        if isinstance(ev, LeaseRenewed):
+            handle = dataclasses.replace(handle, expires_at=ev.expires_at)
+            self.published[lease] = handle
+            self.side_channel.set(f"retained/{handle.xfer}",
+                                  json.dumps(handle.to_dict()).encode())
+        else:
+            del self.published[lease]
+            self.side_channel.delete(f"retained/{handle.xfer}")
+
+    def _forget(self, req: Req) -> None:
+        req.vllm = "done"
+        self.reqs.pop(req.rid, None)
+        if self.by_key.get(req.key) is req:
+            del self.by_key[req.key]
+
+    def _restart_decode_attempt(self, req: Req, now: float, why: str) -> None:
+        """vLLM frees a request's blocks after a failed load and computes the prompt itself:
+        end this attempt's books (its blocks are freed) and count the local compute as the
+        next attempt."""
+        if self.decode.phase(req.leg.xfer, req.attempt) == "decoding":
+            self._handle("decode", dcore.Finish(req.leg.xfer, req.attempt), now)
+        self.by_key.pop(req.key, None)
+        req.attempt += 1
+        req.blocks = []
+        self.by_key[req.key] = req
+        logger.info("kvplane %s: %s for %s; computing it locally (attempt %d)",
+                    self.me.instance, why, req.leg.xfer, req.attempt)
+
+    # ---- orders for the worker ---------------------------------------------------------------
+
+    def _order_transfer(self, role: str, ev: TransferPlanned, now: float) -> None:
+        xfer, attempt = ev.request or "", ev.attempt
+        try:
+            if role == "decode":  # pull: READ prefill's held blocks
+                req = self.by_key.get(("decode", xfer, attempt))
+                assert req is not None and req.leg.pull is not None
+                src = req.leg.pull
+                plan = plan_transfer(src.layout, self.layout, ev.src_blocks, ev.dst_blocks,
+                                     ev.num_tokens)
+                self.pending.orders.append(Order(
+                    "read", xfer, attempt, src.source,
+                    tuple(block_runs(plan, src.layout.block_size, self.layout.block_size)),
+                    notify=encode_notif("READ", {"xfer": xfer, "attempt": attempt}),
+                    deadline=min(now + self.cfg.transfer_timeout, src.expires_at),
+                    purpose="pull"))
+            elif ev.direction == "D->P":  # reuse: READ decode's retained blocks
+                handle = self.retained_of[(xfer, attempt)]
+                plan = plan_transfer(handle.layout, self.layout, ev.src_blocks, ev.dst_blocks,
+                                     ev.num_tokens)
+                self.pending.orders.append(Order(
+                    "read", xfer, attempt, handle.source,
+                    tuple(block_runs(plan, handle.layout.block_size, self.layout.block_size)),
+                    deadline=min(now + self.cfg.transfer_timeout, handle.expires_at - 0.05),
+                    purpose="reuse"))
+            else:  # push: WRITE into decode's registered blocks
+                peer = self.decode_of[(xfer, attempt)]
+                reg = self.prefill.entries[(xfer, attempt)].registration
+                assert reg is not None
+                dst_layout = self.prefill.layout_of(reg)
+                plan = plan_transfer(self.layout, dst_layout, ev.src_blocks, ev.dst_blocks,
+                                     ev.num_tokens)
+                deadline = now + self.cfg.transfer_timeout
+                if reg.deadline is not None:
+                    deadline = min(deadline, reg.deadline)
+                for stream in plan.streams:
+                    self.pending.orders.append(Order(
+                        "write", xfer, attempt, peer,
+                        tuple(block_runs(plan, self.layout.block_size, dst_layout.block_size)),
+                        notify=encode_notif("DONE", {"xfer": xfer, "attempt": attempt,
+                                                     "src_rank": stream.src_rank,
+                                                     "dst_rank": stream.dst_rank}),
+                        deadline=deadline, purpose="push"))
+        except (PeerError, KeyError, AssertionError) as exc:
+            # The plan was recorded but cannot be carried out: end it as failed at once.
+            logger.warning("kvplane %s: cannot carry out %s transfer of %s: %r",
+                           self.me.instance, ev.direction, xfer, exc)
+            self.on_fact(Fact("read_done" if ev.dst == self.me.instance else "write_done",
+                              xfer, attempt, now, ok=False, reason=f"cannot carry out: {exc}",
+                              purpose="pull" if role == "decode" else (
+                                  "reuse" if ev.direction == "D->P" else "push")))
+
+    def _order_registration(self, ev: RegistrationSent, req: Req | None, now: float) -> None:
+        if req is None or req.leg.source is None:
+            return
+        body = {"xfer": ev.request, "attempt": ev.attempt, "decode": self.me.to_dict(),
+                "blocks": list(ev.dst_blocks), "num_tokens": ev.num_tokens,
+                "layout": layout_to_dict(self.layout), "deadline": ev.deadline}
+        self.pending.orders.append(Order("notify", ev.request or "", ev.attempt, req.leg.source,
+                                         notify=encode_notif("REG", body),
+                                         deadline=now + self.cfg.transfer_timeout,
+                                         purpose="register"))
+
+    def _tell_decode_failed(self, xfer: str, attempt: int, reason: str) -> None:
+        if reason == "duplicate registration":
+            return  # the first registration still stands
+        peer = self.decode_of.get((xfer, attempt))
+        if peer is None:
+            return
+        self.pending.orders.append(Order(
+            "notify", xfer, attempt, peer,
+            notify=encode_notif("FAIL", {"xfer": xfer, "attempt": attempt, "reason": reason}),
+            deadline=self.clock() + self.cfg.transfer_timeout, purpose="fail"))
+
+    # ---- vLLM hooks -----------------------------------------------------------------------------
+
+    def _leg(self, request: Any) -> Leg | None:
+        params = request.kv_transfer_params
+        try:
+            leg = parse_leg(params, request.request_id)
+        except PeerError as exc:
+            logger.warning("kvplane %s: request %s: ignoring its kvplane params: %s",
+                           self.me.instance, request.request_id, exc)
+            return None
+        if leg is not None and leg.reuse is not None:
+            try:
+                self._verify(params["kvplane"]["reuse"])
+            except PeerError as exc:
+                logger.warning("kvplane %s: request %s: %s; computing the prompt",
+                               self.me.instance, request.request_id, exc)
+                leg = dataclasses.replace(leg, reuse=None)
+        return leg
+
+    def _req(self, request: Any) -> Req | None:
+        req = self.reqs.get(request.request_id)
+        if req is not None:
+            return req
+        leg = self._leg(request)
+        if leg is None:
+            return None
+        req = Req(request.request_id, leg, request, leg.attempt,
+                  preemptions=getattr(request, "num_preemptions", 0))
+        self.reqs[req.rid] = req
+        self.by_key[req.key] = req
+        return req
+
+    def on_new_request(self, request: Any) -> None:
+        req = self._req(request)
+        if req is None:
+            return
+        sp = getattr(request, "sampling_params", None)
+        self._record(RequestArrived(
+            at=self.clock(), instance=self.me.instance, request=req.leg.xfer,
+            prompt_tokens=int(request.num_prompt_tokens),
+            output_tokens=int(getattr(sp, "max_tokens", 0) or 0),
+            conversation=req.leg.conversation, tenant=req.leg.tenant))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        self.drain()
+        req = self._req(request)
+        if req is None:
+            return 0, False
+        n_prompt = int(request.num_prompt_tokens)
+        if req.role == "decode":
+            if req.expected or req.attempt != req.leg.attempt:
+                return 0, False  # the one transfer was tried already
+            have = n_prompt if req.leg.pull is None else min(n_prompt, req.leg.pull.num_tokens)
+            count = have - num_computed
+            return (count, True) if count > 0 else (0, False)
+        if req.leg.reuse is None or req.started or num_computed > 0:
+            return 0, False
+        if req.decision is None:
+            handle = req.leg.reuse
+            prompt = list(request.prompt_token_ids or [])
+            cmd = pcore.DecideReuse(
+                req.leg.xfer, req.attempt, handle.core_handle(),
+                block_hashes(prompt, handle.block_size, handle.hash_salt), n_prompt,
+                num_computed, threshold=self.cfg.kv_recompute_threshold,
+                estimated_read=self.cfg.reuse_read_estimate)
+            try:
+                req.decision = self.prefill.decide(cmd, self.clock())
+            except ProtocolError as exc:
+                logger.warning("kvplane %s: no reuse for %s: %s", self.me.instance,
+                               req.leg.xfer, exc)
+                req.decision = []
+        ev = next((e for e in req.decision if isinstance(e, ReuseDecided)), None)
+        if ev is not None and ev.outcome == "read" and ev.remote_tokens > 0:
+            return ev.remote_tokens, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        self.drain()
+        req = self._req(request)
+        if req is None:
+            return
+        now = self.clock()
+        self._sync_preemption(req, now)
+        new = [b for b in block_ids if b not in set(req.blocks)]
+        if req.role == "prefill":
+            self._prefill_alloc(req, new, num_external_tokens, now)
+        else:
+            self._decode_alloc(req, list(block_ids), new, num_external_tokens, now)
+
+    def _prefill_alloc(self, req: Req, new: list[int], external: int, now: float) -> None:
+        xfer, attempt = req.leg.xfer, req.attempt
+        if req.decision is not None:  # apply the reuse decision made while matching
+            decision, req.decision = req.decision, None
+            for e in decision:
+                self.prefill.apply(e)
+            self._record(*decision)
+            ev = next((e for e in decision if isinstance(e, ReuseDecided)), None)
+            handle = req.leg.reuse
+            if ev is not None and ev.outcome == "read" and external > 0 and handle is not None:
+                bs = self.layout.block_size
+                n_blocks = -(-external // bs)
+                reuse_blocks, new = new[:n_blocks], new[n_blocks:]
+                self._handle("prefill", pcore.Allocate(xfer, attempt, tuple(reuse_blocks),
+                                                       "reuse"), now)
+                req.blocks += reuse_blocks
+                self.retained_of[(xfer, attempt)] = handle
+                req.vllm = "waiting_kv"
+                self._handle("prefill", pcore.StartReuseRead(
+                    xfer, attempt, handle.core_handle(), handle.blocks[:n_blocks],
+                    handle.layout, external), now)
+        if new:
+            self._handle("prefill", pcore.Allocate(xfer, attempt, tuple(new)), now)
+            req.blocks += new
+        if not req.started:
+            req.started = True
+            prompt = int(req.request.num_prompt_tokens)
+            self._record(PrefillStarted(at=now, instance=self.me.instance, request=xfer,
+                                        computed_tokens=prompt - external,
+                                        cached_tokens=external))
+
+    def _decode_alloc(self, req: Req, blocks: list[int], new: list[int], external: int,
+                      now: float) -> None:
+        xfer, leg = req.leg.xfer, req.leg
+        if external > 0 and not req.expected and leg.source is not None:
+            req.expected = True
+            if req.request.kv_transfer_params is not None:
+                req.request.kv_transfer_params["do_remote_prefill"] = False
+            src_layout = leg.pull.layout if leg.pull else self.layout
+            cmd = dcore.ExpectKV(
+                xfer, req.attempt, leg.source.instance, tuple(blocks), external, src_layout,
+                mode=leg.mode, src_blocks=leg.pull.blocks if leg.pull else (),
+                timeout=self.cfg.kv_wait_timeout,
+                src_expires_at=leg.pull.expires_at if leg.pull else None,
+                read_margin=0.5)
+            req.vllm = "waiting_kv"
+            req.blocks = list(blocks)
+            events = self._handle("decode", cmd, now)
+            if not events:  # the core refused (peer error): let vLLM compute the prompt
+                self.pending.finished_recving.add(req.rid)
+                self.pending.failed_recving.add(req.rid)
+                req.vllm = "running"
+                self.by_key.pop(req.key, None)
+                req.attempt += 1
+                req.blocks = []
+                self.by_key[req.key] = req
+            return
+        if new:
+            self._handle("decode", dcore.Allocate(xfer, req.attempt, tuple(new)), now)
+            req.blocks += new
+
+    def _sync_preemption(self, req: Req, now: float) -> None:
+        n = int(getattr(req.request, "num_preemptions", 0) or 0)
+        if n <= req.preemptions:
+            return
+        req.preemptions = n
+        if req.role == "prefill":
+            self._handle("prefill", pcore.Preempt(req.leg.xfer, req.attempt), now)
+            req.blocks = []
+        else:
+            self._restart_decode_attempt(req, now, "preempted")
+
+    def build_connector_meta(self) -> KvplaneMeta:
+        self.drain()
+        now = self.clock()
+        if now - self._last_tick >= _TICK_EVERY:
+            self._last_tick = now
+            for req in list(self.reqs.values()):
+                if req.vllm in ("running", "waiting_kv"):
+                    self._sync_preemption(req, now)
+            self._handle("prefill", pcore.Tick(), now)
+            self._handle("decode", dcore.Tick(), now)
+        meta, self.pending = self.pending, KvplaneMeta()
+        return meta
+
+    def has_pending_work(self) -> bool:
+        self.drain()
+        p = self.pending
+        return bool(p.orders or p.finished_sending or p.finished_recving or p.failed_recving)
+
+    def request_finished(self, request: Any, block_ids: Sequence[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self.drain()
+        req = self.reqs.get(request.request_id)
+        if req is None:
+            return False, None
+        now = self.clock()
+        ok = getattr(request.status, "name", str(request.status)) in _OK_FINISH
+        xfer = req.leg.xfer
+        if req.vllm == "waiting_kv":  # finished (aborted) while its KV was on the way
+            req.vllm = "finished_waiting_kv"
+            role = req.role
+            cmd = (pcore.Abort(xfer, req.attempt) if role == "prefill"
+                   else dcore.Abort(xfer, req.attempt))
+            self._handle(role, cmd, now)
+            return False, None  # vLLM keeps the blocks until we report finished_recving
+        new = [b for b in block_ids if b not in set(req.blocks)]
+        if req.role == "prefill":
+            return self._prefill_finished(req, list(block_ids), new, ok, now)
+        return self._decode_finished(req, list(block_ids), new, ok, now)
+
+    def _prefill_finished(self, req: Req, blocks: list[int], new: list[int], ok: bool,
+                          now: float) -> tuple[bool, dict[str, Any] | None]:
+        xfer, attempt = req.leg.xfer, req.attempt
+        if not ok or not blocks:
+            req.vllm = "done"
+            self._handle("prefill", pcore.Abort(xfer, attempt), now)
+            self._forget(req)
+            return False, None
+        if new:
+            self._handle("prefill", pcore.Allocate(xfer, attempt, tuple(new)), now)
+            req.blocks += new
+        num_tokens = int(req.request.num_computed_tokens)
+        req.vllm = "delay_send"
+        events = self._handle("prefill", pcore.FinishPrefill(
+            xfer, attempt, num_tokens, mode=req.leg.mode,
+            hold_ttl=self.cfg.kv_lease_duration), now)
+        if not events:
+            self._forget(req)
+            return False, None
+        if req.leg.mode == "push":
+            return True, None
+        grant = next((e for e in events if isinstance(e, LeaseGranted)), None)
+        if grant is None:
+            return True, None
+        handle = SourceHandle(self.me, xfer, attempt, tuple(blocks), num_tokens, grant.lease,
+                              grant.expires_at, self.layout)
+        return True, prefill_response(handle, "pull")
+
+    def _decode_finished(self, req: Req, blocks: list[int], new: list[int], ok: bool,
+                         now: float) -> tuple[bool, dict[str, Any] | None]:
+        xfer, attempt = req.leg.xfer, req.attempt
+        phase = self.decode.phase(xfer, attempt)
+        if not ok:
+            self._handle("decode", dcore.Abort(xfer, attempt), now)
+            self._forget(req)
+            return False, None
+        if new and phase in ("absent", "decoding"):
+            self._handle("decode", dcore.Allocate(xfer, attempt, tuple(new)), now)
+            req.blocks += new
+        retain = req.leg.retain if req.leg.retain is not None else self.cfg.bidirectional_kv_xfer
+        if self.decode.phase(xfer, attempt) != "decoding":
+            self._forget(req)
+            return False, None
+        if not retain or not blocks:
+            self._handle("decode", dcore.Finish(xfer, attempt), now)
+            self._forget(req)
+            return False, None
+        num_tokens = int(req.request.num_computed_tokens)
+        tokens = list(req.request.all_token_ids)[:num_tokens]
+        bs = self.layout.block_size
+        hashes = block_hashes(tokens, bs, self.cfg.hash_salt)
+        ttl = self.cfg.decoder_kv_blocks_ttl
+        if req.leg.retain_ttl is not None:
+            ttl = min(ttl, max(req.leg.retain_ttl, 0.001))
+        lease = f"{xfer}#{attempt}/retained"
+        req.vllm = "delay_send"
+        renewable = self.cfg.lease_renewable
+        events = self._handle("decode", dcore.Finish(xfer, attempt, dcore.Retain(
+            lease, ttl, renewable, num_tokens, hashes)), now)
+        grant = next((e for e in events if isinstance(e, LeaseGranted)), None)
+        if grant is None:
+            self._forget(req)
+            return False, None
+        retained = Retained(self.me, xfer, attempt, lease, tuple(blocks), num_tokens, bs,
+                            hashes, grant.expires_at, renewable, self.layout, self.cfg.hash_salt)
+        self.published[lease] = retained
+        self.side_channel.set(f"retained/{xfer}", json.dumps(retained.to_dict()).encode())
+        return True, decode_response(retained)
+
+    # ---- facts from the workers -----------------------------------------------------------------
+
+    def on_fact(self, fact: Fact) -> None:
+        xfer, attempt = fact.xfer, fact.attempt
+        if fact.kind == "notif":
+            self._on_notif(fact)
+        elif fact.kind == "read_done" and fact.purpose == "pull":
+            if self.decode.phase(xfer, attempt) in ("awaiting_kv", "aborting"):
+                self._handle("decode", dcore.PullDone(xfer, attempt, fact.ok, fact.reason),
+                             fact.at)
+        elif fact.kind == "read_done" and fact.purpose == "reuse":
+            e = self.prefill.entries.get((xfer, attempt))
+            if e is not None and e.reading:
+                self._handle("prefill", pcore.ReuseReadDone(xfer, attempt, fact.ok,
+                                                            fact.reason), fact.at)
+                self.retained_of.pop((xfer, attempt), None)
+        elif fact.kind == "write_done":
+            if self.prefill.phase(xfer, attempt) == "transferring":
+                self._handle("prefill", pcore.TransferDone(xfer, attempt, fact.ok, fact.reason),
+                             fact.at)
+                self.decode_of.pop((xfer, attempt), None)
+        elif fact.kind == "notify_done" and not fact.ok:
+            logger.warning("kvplane %s: %s notification for %s failed: %s", self.me.instance,
+                           fact.purpose, xfer, fact.reason)
+            if fact.purpose == "register" and self.decode.phase(xfer, attempt) in (
+                    "awaiting_kv", "aborting"):
+                self._handle("decode", dcore.KVFailed(xfer, attempt,
+                                                      f"registration not sent: {fact.reason}"),
+                             fact.at)
+
+    def _on_notif(self, fact: Fact) -> None:
+        body, now = fact.body, fact.at
+        try:
+            xfer, attempt = str(body["xfer"]), int(body["attempt"])
+            if fact.notif == "REG":
+                peer = Endpoint.from_dict(body["decode"])
+                deadline = body.get("deadline")
+                self.decode_of.setdefault((xfer, attempt), peer)
+                cmd = pcore.Register(xfer, attempt, peer.instance,
+                                     tuple(int(b) for b in body["blocks"]),
+                                     layout_from_dict(body["layout"]),
+                                     None if deadline is None else float(deadline))
+                if not self._handle("prefill", cmd, now):
+                    self._tell_decode_failed(xfer, attempt, "registration refused")
+            elif fact.notif == "DONE":
+                self._handle("decode", dcore.Notify(xfer, attempt, int(body["src_rank"]),
+                                                    int(body["dst_rank"])), now)
+            elif fact.notif == "FAIL":
+                self._handle("decode", dcore.KVFailed(xfer, attempt, str(body.get("reason"))),
+                             now)
+            elif fact.notif == "READ":
+                self._handle("prefill", pcore.PullReadDone(xfer, attempt), now)
+        except (KeyError, TypeError, ValueError, PeerError) as exc:
+            logger.warning("kvplane %s: bad %s notification %r: %s", self.me.instance,
+                           fact.notif, body, exc)
+        except ProtocolError as exc:
+            logger.warning("kvplane %s: %s notification out of turn: %s", self.me.instance,
+                           fact.notif, exc)
+
+    def shutdown(self) -> None:
+        self.side_channel.close()
+        self.recorder.close()
+

@@ -1,0 +1,416 @@
+"""KvplaneConnector's worker half: the KV cache registered with NIXL, and a transfer thread that
+carries out the scheduler half's orders.
+
+How it works:
+- `register_kv_caches` registers every layer's cache tensor with one `Transport` (NIXL, UCX,
+  host memory on CPU). Layers are laid end to end in layer order, so "block b of layer l" is
+  the byte offset `region_start[l] + b * block_stride`. Both sides run the same model, so the
+  same order on both sides.
+- The handshake (`KvplaneHandshake`: the transport's `local_info()` plus the block geometry)
+  goes to the scheduler process through vLLM (`get_handshake_metadata`), which serves it on the
+  side channel.
+- One daemon thread, `kvplane-xfer`, owns the transport: it fetches a peer's handshake from the
+  peer's side channel the first time it needs it, turns block runs into byte runs, posts READs
+  and WRITEs, polls them, sends notifications, and drains incoming notifications. The engine
+  thread only hands it orders and takes back facts through queues, so preparing descriptors,
+  handshakes and waiting never happen on the engine loop (decode's loop in push mode only
+  queues a registration order).
+- Failures (peer unreachable, transfer failed or too slow) come back as facts with ok=False and
+  a reason; the scheduler half's core decides what follows. A peer whose transfer failed is
+  forgotten, so the next order handshakes again (a restarted peer has a new agent).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import logging
+import math
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplane.live.connector_wire import (
+    Endpoint,
+    Fact,
+    KvplaneHandshake,
+    KvplaneMeta,
+    KvplaneWorkerMeta,
+    Order,
+    decode_notif,
+    fact_to_bytes,
+)
+from kvplane.live.sidechannel import FactSender, SideChannelError, fetch, rank_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """How block ids map to bytes on one rank: region i is layer i's cache."""
+
+    region_sizes: tuple[int, ...]
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+
+    def starts(self) -> list[int]:
+        out, pos = [], 0
+        for n in self.region_sizes:
+            out.append(pos)
+            pos += n
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"region_sizes": list(self.region_sizes), "block_stride": self.block_stride,
+                "block_bytes": self.block_bytes, "num_blocks": self.num_blocks}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Geometry:
+        return cls(tuple(int(x) for x in d["region_sizes"]), int(d["block_stride"]),
+                   int(d["block_bytes"]), int(d["num_blocks"]))
+
+
+def encode_rank_payload(info: bytes, geometry: Geometry) -> bytes:
+    return json.dumps({"info": base64.b64encode(info).decode("ascii"),
+                       "geometry": geometry.to_dict()}).encode()
+
+
+def decode_rank_payload(data: bytes) -> tuple[bytes, Geometry]:
+    d = json.loads(data)
+    return base64.b64decode(d["info"]), Geometry.from_dict(d["geometry"])
+
+
+def byte_runs(runs: Iterable[tuple[int, int, int]], local: Geometry, remote: Geometry,
+              local_is_src: bool) -> list[tuple[int, int, int]]:
+    """Block runs `(src, dst, count)` as byte runs `(local, remote, length)`, layer by layer."""
+    if len(local.region_sizes) != len(remote.region_sizes):
+        raise ValueError(f"layer count differs: ours {len(local.region_sizes)}, peer's "
+                         f"{len(remote.region_sizes)}")
+    if local.block_bytes != remote.block_bytes:
+        raise ValueError(f"block bytes differ: ours {local.block_bytes}, peer's "
+                         f"{remote.block_bytes}")
+    out = []
+    ls, rs = local.starts(), remote.starts()
+    runs = list(runs)
+    for layer in range(len(ls)):
+        for src, dst, count in runs:
+            lb, rb = (src, dst) if local_is_src else (dst, src)
+            if lb + count > local.num_blocks or rb + count > remote.num_blocks:
+                raise ValueError(f"block run {(src, dst, count)} is past the cache")
+            if local.block_stride == local.block_bytes and remote.block_stride == \
+                    remote.block_bytes:
+                out.append((ls[layer] + lb * local.block_stride,
+                            rs[layer] + rb * remote.block_stride, count * local.block_bytes))
+            else:
+                out += [(ls[layer] + (lb + i) * local.block_stride,
+                         rs[layer] + (rb + i) * remote.block_stride, local.block_bytes)
+                        for i in range(count)]
+    return out
+
+
+def _layer_index(name: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", name))
+
+
+@dataclass(slots=True)
+class _InFlight:
+    order: Order
+    peer: str
+    transfer: Any
+    started: float
+
+
+@dataclass(slots=True)
+class Stats:
+    """What moved since the last report (worker -> vLLM's metrics)."""
+
+    bytes: list[int] = field(default_factory=list)
+    descriptors: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    failed: int = 0
+
+    def empty(self) -> bool:
+        return not self.bytes and not self.failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "descriptors": self.descriptors, "seconds": self.seconds,
+                "ops": self.ops, "failed": self.failed}
+
+
+class TransferThread:
+    """Owns the transport once started; see the module docstring."""
+
+    def __init__(self, transport: Any, geometry: Geometry, rank: int, name: str,
+                 sender: FactSender | None = None) -> None:
+        self.transport = transport
+        self.sender = sender
+        self.geometry = geometry
+        self.rank = rank
+        self.orders: queue.SimpleQueue[Order] = queue.SimpleQueue()
+        self.facts: collections.deque[Fact] = collections.deque()
+        self.stats: collections.deque[tuple[str, bool, int, int, float]] = collections.deque()
+        self._peers: dict[tuple[str, int], tuple[str, Geometry]] = {}
+        self._inflight: list[_InFlight] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvplane-xfer-{name}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self.sender is not None:
+            self.sender.close()
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        idle = 0.0
+        while not self._stop.is_set():
+            busy = False
+            try:
+                while True:
+                    order = self.orders.get_nowait()
+                    busy = True
+                    self._start(order)
+            except queue.Empty:
+                pass
+            except Exception:
+                logger.exception("kvplane: transfer thread failed to start an order")
+            try:
+                busy |= self._poll()
+                busy |= self._drain()
+            except Exception:
+                logger.exception("kvplane: transfer thread failed while polling")
+            if busy or self._inflight:
+                idle = 0.0
+                time.sleep(0)
+            else:
+                idle = min(0.002, max(idle * 2, 0.0001))
+                self._stop.wait(idle)
+
+    def emit(self, fact: Fact) -> None:
+        """Straight to our scheduler process when we can; else with the next step's metadata."""
+        if self.sender is None or not self.sender.send(fact_to_bytes(fact)):
+            self.facts.append(fact)
+
+    def _fact(self, order: Order, kind: str, ok: bool, reason: str = "", **kw: Any) -> None:
+        self.emit(Fact(kind, order.xfer, order.attempt, time.time(), ok=ok,  # type: ignore[arg-type]
+                       reason=reason, purpose=order.purpose, rank=self.rank, **kw))
+
+    def _peer(self, ep: Endpoint) -> tuple[str, Geometry]:
+        key = (ep.host, ep.port)
+        if key not in self._peers:
+            info, geom = decode_rank_payload(fetch(ep.host, ep.port, rank_key(self.rank)))
+            name = self.transport.add_peer(info)
+            self._peers[key] = (name, geom)
+            logger.info("kvplane: connected to %s (%s:%d) as NIXL peer %s", ep.instance,
+                        ep.host, ep.port, name)
+        return self._peers[key]
+
+    def _forget_peer(self, ep: Endpoint) -> None:
+        self._peers.pop((ep.host, ep.port), None)
+
+    def _start(self, order: Order) -> None:
+        done = "notify_done" if order.kind == "notify" else f"{order.kind}_done"
+        if order.deadline and time.time() > order.deadline:
+            self._fact(order, done, False, "deadline passed before the transfer started")
+            return
+        try:
+            peer, geom = self._peer(order.peer)
+        except (SideChannelError, ValueError, KeyError) as exc:
+            self._fact(order, done, False, f"handshake with {order.peer.instance} failed: {exc}")
+            return
+        except Exception as exc:  # noqa: BLE001 - a NIXL error adding the peer
+            self._fact(order, done, False, f"cannot add peer {order.peer.instance}: {exc!r}")
+            return
+        if order.kind == "notify":
+            res = self.transport.send_notification(peer, order.notify)
+            if not res.ok:
+                self._forget_peer(order.peer)
+            self._fact(order, done, res.ok, res.reason)
+            return
+        try:
+            runs = byte_runs(order.runs, self.geometry, geom, local_is_src=order.kind == "write")
+        except ValueError as exc:
+            self._fact(order, done, False, f"cannot map blocks: {exc}")
+            return
+        op = "WRITE" if order.kind == "write" else "READ"
+        notify = order.notify if order.kind == "write" else b""
+        t = self.transport.post(peer, op, runs, notify=notify)
+        self._inflight.append(_InFlight(order, peer, t, time.perf_counter()))
+
+    def _poll(self) -> bool:
+        if not self._inflight:
+            return False
+        from kvplane.live.transport import Status
+
+        still, changed = [], False
+        now = time.time()
+        for f in self._inflight:
+            status = self.transport.poll(f.transfer)
+            if status is Status.PENDING and f.order.deadline and now > f.order.deadline:
+                self.transport.wait(f.transfer, 0.0)  # releases the handle: TIMED_OUT
+                status = f.transfer.result.status if f.transfer.result else Status.TIMED_OUT
+            if status is Status.PENDING:
+                still.append(f)
+                continue
+            changed = True
+            self._finish(f)
+        self._inflight = still
+        return changed
+
+    def _finish(self, f: _InFlight) -> None:
+        res = f.transfer.result
+        ok = res is not None and res.ok
+        seconds = time.perf_counter() - f.started
+        order = f.order
+        reason = "" if ok else (res.reason if res is not None else "no result")
+        if ok and order.kind == "read" and order.notify:
+            sent = self.transport.send_notification(f.peer, order.notify)
+            if not sent.ok:
+                logger.warning("kvplane: read of %s done but telling %s failed: %s",
+                               order.xfer, order.peer.instance, sent.reason)
+        if not ok:
+            self._forget_peer(order.peer)
+            logger.warning("kvplane: %s of %s %s %s: %s", order.kind.upper(), order.xfer,
+                           "to" if order.kind == "write" else "from", order.peer.instance,
+                           reason)
+        nbytes = res.nbytes if res is not None else 0
+        descs = res.descriptors if res is not None else 0
+        self.stats.append((order.kind, ok, nbytes, descs, seconds))
+        self._fact(order, f"{order.kind}_done", ok, reason, nbytes=nbytes if ok else 0,
+                   descriptors=descs, seconds=seconds)
+
+    def _drain(self) -> bool:
+        got = False
+        for n in self.transport.notifications():
+            parsed = decode_notif(n.message)
+            if parsed is None:
+                continue
+            kind, body = parsed
+            got = True
+            try:
+                xfer, attempt = str(body["xfer"]), int(body["attempt"])
+            except (KeyError, TypeError, ValueError):
+                logger.warning("kvplane: notification without a transfer id: %r", n.message)
+                continue
+            self.emit(Fact("notif", xfer, attempt, time.time(), notif=kind, body=body,
+                           rank=self.rank))
+        return got
+
+
+class WorkerHalf:
+    """The worker-side logic, driven by the facade; vLLM-free apart from the tensors it gets."""
+
+    def __init__(self, instance: str, rank: int, *, progress_thread: bool = False,
+                 post_to: tuple[str, int] | None = None) -> None:
+        self.instance = instance
+        self.post_to = post_to
+        self.rank = rank
+        self.progress_thread = progress_thread
+        self.transport: Any = None
+        self.geometry: Geometry | None = None
+        self.thread: TransferThread | None = None
+        self._reports = KvplaneMeta()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from kvplane.live.transport import Transport
+
+        seen: set[int] = set()
+        tensors = []
+        for name in sorted(kv_caches, key=_layer_index):
+            t = kv_caches[name]
+            if t.data_ptr() in seen:  # a layer sharing another's cache
+                continue
+            seen.add(t.data_ptr())
+            tensors.append((name, t))
+        first = tensors[0][1]
+        num_blocks = int(first.shape[0])
+        stride = int(first.stride(0)) * first.element_size()
+        block_bytes = math.prod(int(s) for s in first.shape[1:]) * first.element_size()
+        for name, t in tensors:
+            if not t.is_contiguous():
+                raise ValueError(f"KV cache of {name} is not contiguous: shape {tuple(t.shape)} "
+                                 f"strides {t.stride()}")
+            if int(t.shape[0]) != num_blocks or int(t.stride(0)) * t.element_size() != stride:
+                raise ValueError(f"KV cache of {name} differs in geometry from the first layer")
+        granule = math.gcd(stride, block_bytes)
+        self.transport = Transport(f"{self.instance}-rank{self.rank}-{time.time_ns() % 10**9}",
+                                   granule=granule, progress_thread=self.progress_thread)
+        sizes = []
+        for _, t in tensors:
+            self.transport.register(t)
+            sizes.append(t.numel() * t.element_size())
+        self.geometry = Geometry(tuple(sizes), stride, block_bytes, num_blocks)
+        logger.info("kvplane %s rank %d: registered %d layers x %d blocks of %d bytes "
+                    "(stride %d) with NIXL", self.instance, self.rank, len(tensors), num_blocks,
+                    block_bytes, stride)
+        sender = FactSender(*self.post_to) if self.post_to else None
+        self.thread = TransferThread(self.transport, self.geometry, self.rank, self.instance,
+                                     sender)
+        self.thread.start()
+
+    def handshake(self) -> KvplaneHandshake | None:
+        if self.transport is None or self.geometry is None:
+            return None
+        payload = encode_rank_payload(self.transport.local_info(), self.geometry)
+        return KvplaneHandshake(self.rank, payload, self.geometry.block_bytes,
+                                self.geometry.num_blocks, len(self.geometry.region_sizes))
+
+    def start_step(self, meta: Any) -> None:
+        """This step's orders go to the transfer thread; its reports are repeated to vLLM."""
+        if not isinstance(meta, KvplaneMeta):
+            return
+        if self.thread is not None:
+            for order in meta.orders:
+                self.thread.orders.put(order)
+        r = self._reports
+        r.finished_sending |= meta.finished_sending
+        r.finished_recving |= meta.finished_recving
+        r.failed_recving |= meta.failed_recving
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        r, self._reports = self._reports, KvplaneMeta()
+        return r.finished_sending, r.finished_recving, r.failed_recving
+
+    def worker_meta(self) -> KvplaneWorkerMeta | None:
+        if self.thread is None or not self.thread.facts:
+            return None
+        facts = []
+        while self.thread.facts:
+            facts.append(self.thread.facts.popleft())
+        return KvplaneWorkerMeta(facts)
+
+    def take_stats(self) -> Stats | None:
+        if self.thread is None or not self.thread.stats:
+            return None
+        s = Stats()
+        while self.thread.stats:
+            kind, ok, nbytes, descs, seconds = self.thread.stats.popleft()
+            if not ok:
+                s.failed += 1
+                continue
+            s.bytes.append(nbytes)
+            s.descriptors.append(descs)
+            s.seconds.append(seconds)
+            s.ops.append(kind)
+        return s
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+            self.thread = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None

@@ -1,0 +1,329 @@
+"""The connector's scheduler half without vLLM: fake requests in, core decisions out.
+
+A prefill half and a decode half are driven the way vLLM's scheduler drives them (new request,
+match, allocate, finish, one metadata per step), and a stand-in for the two workers carries out
+their orders instantly (a READ completes, a WRITE delivers its notification, a notification
+arrives). Each flow ends with the events of both instances replayed through kvplane.core.replay.
+Fast (no servers, no NIXL transfer): the live suite checks the same flows against real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvplane.core import events as ev
+from kvplane.core.hashing import block_hashes
+from kvplane.core.plan import KVLayout
+from kvplane.core.replay import replay
+from kvplane.live.connector_config import ConnectorConfig
+from kvplane.live.connector_scheduler import SchedulerHalf
+from kvplane.live.connector_wire import (
+    Fact,
+    KvplaneMeta,
+    Leg,
+    PeerError,
+    decode_notif,
+    parse_leg,
+)
+from kvplane.live.recording import SafeRecorder
+from kvplane.store import ListRecorder
+
+LAYOUT = KVLayout(block_size=4, tp=1, num_layers=2, num_kv_heads=2, head_bytes=128)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Pair:
+    clock: Clock = field(default_factory=Clock)
+    log: ListRecorder = field(default_factory=ListRecorder)
+    halves: dict[str, SchedulerHalf] = field(default_factory=dict)
+
+    def half(self, name: str, **cfg: Any) -> SchedulerHalf:
+        c = ConnectorConfig.from_extra({"instance": name, "side_channel_port": 1,
+                                        "kv_recompute_threshold": 8, **cfg})
+        h = SchedulerHalf(c, LAYOUT, f"engine-{name}", SafeRecorder(self.log, name),
+                          clock=self.clock, serve=False)
+        self.halves[name] = h
+        return h
+
+    def step(self, name: str) -> KvplaneMeta:
+        """One engine step of `name`: its metadata, with the orders carried out at once."""
+        h = self.halves[name]
+        meta = h.build_connector_meta()
+        for o in meta.orders:
+            peer = self.halves[o.peer.instance]
+            if o.kind == "read":
+                h.on_fact(Fact("read_done", o.xfer, o.attempt, self.clock(), purpose=o.purpose,
+                               nbytes=1))
+            elif o.kind == "write":
+                h.on_fact(Fact("write_done", o.xfer, o.attempt, self.clock(), purpose=o.purpose))
+            if o.notify:
+                parsed = decode_notif(o.notify)
+                assert parsed is not None
+                kind, body = parsed
+                peer.on_fact(Fact("notif", o.xfer, o.attempt, self.clock(), notif=kind,
+                                  body=body))
+        return meta
+
+    def replay_ok(self) -> None:
+        report = replay(sorted(self.log.events, key=lambda e: e.at), final=True)
+        assert report.ok, "\n".join(map(str, report.violations))
+
+    def of(self, kind: type[ev.Event], **match: Any) -> list[ev.Event]:
+        return [e for e in self.log.events if isinstance(e, kind)
+                and all(getattr(e, k) == v for k, v in match.items())]
+
+
+def request(rid: str, params: dict[str, Any] | None, prompt: list[int],
+            max_tokens: int = 4) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, kv_transfer_params=params, num_prompt_tokens=len(prompt),
+        prompt_token_ids=list(prompt), num_computed_tokens=0, all_token_ids=list(prompt),
+        status=SimpleNamespace(name="RUNNING"), num_preemptions=0,
+        sampling_params=SimpleNamespace(max_tokens=max_tokens))
+
+
+def finish(req: SimpleNamespace, computed: int, outputs: list[int] = (),  # type: ignore[assignment]
+           status: str = "FINISHED_LENGTH_CAPPED") -> None:
+    req.num_computed_tokens = computed
+    req.all_token_ids = list(req.prompt_token_ids) + list(outputs)
+    req.status = SimpleNamespace(name=status)
+
+
+PROMPT = list(range(100, 118))  # 18 tokens: 5 blocks of 4
+
+
+def prefill_leg(xfer: str, mode: str = "pull", reuse: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    kp: dict[str, Any] = {"v": 1, "mode": mode, "xfer": xfer}
+    if reuse is not None:
+        kp["reuse"] = reuse
+    return {"do_remote_decode": True, "kvplane": kp}
+
+
+def push_decode_leg(xfer: str, retain: bool = False) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "kvplane": {
+        "v": 1, "mode": "push", "xfer": xfer, "retain": retain,
+        "source": {"instance": "P", "host": "127.0.0.1", "port": 1}}}
+
+
+def run_prefill(pair: Pair, xfer: str, prompt: list[int], blocks: list[int], mode: str = "pull",
+                reuse: dict[str, Any] | None = None) -> tuple[SimpleNamespace, Any]:
+    P = pair.halves["P"]
+    rp = request(f"{xfer}-p", prefill_leg(xfer, mode, reuse), prompt, 1)
+    P.on_new_request(rp)
+    n, load = P.get_num_new_matched_tokens(rp, 0)
+    P.update_state_after_alloc(rp, blocks, n)
+    if load:
+        pair.step("P")  # the D->P read runs
+        pair.step("P")  # vLLM hears it finished
+    finish(rp, len(prompt))
+    return rp, P.request_finished(rp, blocks)
+
+
+def run_pull(pair: Pair, xfer: str, prompt: list[int], p_blocks: list[int],
+             d_blocks: list[int], outputs: list[int], retain: bool = False,
+             reuse: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    D = pair.halves["D"]
+    rp, (delay, params) = run_prefill(pair, xfer, prompt, p_blocks, reuse=reuse)
+    assert delay is True and params["do_remote_prefill"] is True
+    params["kvplane"]["retain"] = retain
+    rd = request(f"{xfer}-d", params, prompt)
+    D.on_new_request(rd)
+    n, load = D.get_num_new_matched_tokens(rd, 0)
+    assert (n, load) == (len(prompt), True)
+    assert D.get_num_new_matched_tokens(rd, 0) == (n, load)  # side-effect free
+    D.update_state_after_alloc(rd, d_blocks, n)
+    meta = pair.step("D")
+    assert [o.kind for o in meta.orders] == ["read"]
+    assert rd.request_id in pair.step("D").finished_recving
+    assert rp.request_id in pair.step("P").finished_sending
+    finish(rd, len(prompt) + len(outputs) - 1, outputs)
+    return rd, D.request_finished(rd, d_blocks)
+
+
+def test_pull_holds_reads_and_frees() -> None:
+    pair = Pair()
+    pair.half("P")
+    pair.half("D")
+    _, (delay, params) = run_pull(pair, "x1", PROMPT, [1, 2, 3, 4, 5], [7, 8, 9, 10, 11],
+                                   [1, 2, 3])
+    assert (delay, params) == (False, None)
+    assert pair.of(ev.LeaseReleased, instance="P")[0].reason == "read by decode"
+    assert pair.of(ev.KVReceived, instance="D")[0].num_tokens == len(PROMPT)
+    pair.replay_ok()
+
+
+@pytest.mark.parametrize("order", ["registration_first", "prefill_first"])
+def test_push_matches_in_either_order(order: str) -> None:
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    rd = request("x2-d", push_decode_leg("x2"), PROMPT)
+
+    def decode_registers() -> None:
+        D.on_new_request(rd)
+        n, _ = D.get_num_new_matched_tokens(rd, 0)
+        D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)
+        meta = pair.step("D")
+        assert [o.kind for o in meta.orders] == ["notify"]  # the registration, nothing more
+
+    if order == "registration_first":
+        decode_registers()
+        rp, (delay, _) = run_prefill(pair, "x2", PROMPT, [1, 2, 3, 4, 5], mode="push")
+    else:
+        rp, (delay, _) = run_prefill(pair, "x2", PROMPT, [1, 2, 3, 4, 5], mode="push")
+        decode_registers()
+    assert delay is True
+    assert pair.of(ev.RendezvousMatched)[0].order == order
+    meta = pair.step("P")  # the WRITE; its notification reaches decode
+    assert [o.kind for o in meta.orders] == ["write"]
+    assert rp.request_id in pair.step("P").finished_sending
+    assert rd.request_id in pair.step("D").finished_recving
+    finish(rd, len(PROMPT) + 2, [1, 2, 3])
+    assert D.request_finished(rd, [7, 8, 9, 10, 11]) == (False, None)
+    pair.replay_ok()
+
+
+def test_push_wait_times_out_and_decode_computes() -> None:
+    pair = Pair()
+    D = pair.half("D", kv_wait_timeout=5)
+    pair.half("P")
+    rd = request("x3-d", push_decode_leg("x3"), PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)
+    pair.halves["D"].build_connector_meta()  # the registration is lost on the way
+    pair.clock.now += 6
+    meta = D.build_connector_meta()  # tick: the wait ended
+    meta = D.build_connector_meta() if not meta.failed_recving else meta
+    assert rd.request_id in meta.failed_recving and rd.request_id in meta.finished_recving
+    assert pair.of(ev.KVLoadFailed, instance="D")
+    # vLLM frees the blocks and computes the prompt itself, in new blocks
+    assert D.get_num_new_matched_tokens(rd, 0) == (0, False)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], 0)
+    finish(rd, len(PROMPT) + 2, [1, 2, 3])
+    assert D.request_finished(rd, [7, 8, 9, 10, 11]) == (False, None)
+    pair.replay_ok()
+
+
+def test_registration_for_an_ended_request_tells_decode() -> None:
+    pair = Pair()
+    P = pair.half("P", push_hold_timeout=2)
+    D = pair.half("D")
+    rp, _ = run_prefill(pair, "x4", PROMPT, [1, 2, 3, 4, 5], mode="push")
+    pair.clock.now += 3
+    meta = P.build_connector_meta()  # hold time-out: prefill frees
+    assert rp.request_id in meta.finished_sending
+    rd = request("x4-d", push_decode_leg("x4"), PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)
+    pair.step("D")
+    assert pair.of(ev.RegistrationDropped, instance="P")
+    pair.step("P")  # the FAIL notification reaches decode
+    meta = D.build_connector_meta()
+    assert rd.request_id in meta.failed_recving
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], 0)
+    finish(rd, len(PROMPT) + 2, [1, 2, 3])
+    D.request_finished(rd, [7, 8, 9, 10, 11])
+    pair.replay_ok()
+
+
+def retained_turn(pair: Pair, xfer: str, outputs: list[int]) -> dict[str, Any]:
+    _, (delay, params) = run_pull(pair, xfer, PROMPT, [1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12],
+                                  outputs, retain=True)
+    assert delay is True
+    handle = params["kvplane"]["retained"]
+    tokens = PROMPT + outputs
+    assert handle["block_hashes"] == list(block_hashes(tokens[:len(PROMPT) + len(outputs) - 1],
+                                                       4))
+    return handle
+
+
+def test_second_turn_reads_retained_kv() -> None:
+    pair = Pair()
+    pair.half("P")
+    pair.half("D")
+    out1 = [5, 6, 7, 8, 9, 10]
+    handle = retained_turn(pair, "t1", out1)
+    prompt2 = PROMPT + out1 + [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    run_pull(pair, "t2", prompt2, list(range(20, 29)), list(range(30, 40)), [1, 2],
+             reuse=handle)
+    decided = pair.of(ev.ReuseDecided)[0]
+    assert decided.outcome == "read" and decided.remote_tokens == 20  # 23 retained: 5 blocks
+    assert pair.of(ev.TransferPlanned, direction="D->P")[0].num_tokens == 20
+    assert pair.of(ev.PrefillStarted, request="t2")[0].computed_tokens == len(prompt2) - 20
+    pair.replay_ok()
+
+
+def test_edited_or_expired_handles_are_not_read() -> None:
+    pair = Pair()
+    pair.half("P")
+    pair.half("D", decoder_kv_blocks_ttl=10)
+    out1 = [5, 6, 7, 8, 9, 10]
+    handle = retained_turn(pair, "t1", out1)
+    edited = [1] + PROMPT[1:] + out1 + [40, 41, 42]
+    run_pull(pair, "t2", edited, list(range(20, 27)), list(range(30, 37)), [1], reuse=handle)
+    pair.clock.now += 11
+    pair.halves["D"].build_connector_meta()  # the retained lease expires
+    assert pair.of(ev.LeaseExpired, instance="D")
+    run_pull(pair, "t3", PROMPT + out1 + [40], list(range(40, 47)), list(range(50, 57)), [1],
+             reuse=handle)
+    assert [e.outcome for e in pair.of(ev.ReuseDecided)] == ["mismatch", "expired"]
+    assert not pair.of(ev.TransferPlanned, direction="D->P")
+    pair.replay_ok()
+
+
+def test_router_renews_and_releases_a_retained_lease() -> None:
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D", lease_renewable=True, lease_extension=100, decoder_kv_blocks_ttl=10)
+    handle = retained_turn(pair, "t1", [5, 6, 7, 8])
+    replies: list[bytes | None] = []
+
+    def ask(key: str) -> None:
+        t = threading.Thread(target=lambda: replies.append(D._control_request(key)))
+        t.start()
+        while D.controls.empty() and t.is_alive():
+            pass
+        D.drain()  # the engine thread does the work
+        t.join()
+
+    pair.clock.now += 5
+    ask("renew/" + json.dumps(handle))
+    assert json.loads(replies[-1] or b"{}")["expires_at"] == pair.clock.now + 100
+    assert json.loads(D.side_channel.get("retained/t1") or b"{}")["expires_at"] == \
+        pair.clock.now + 100
+    ask("release/" + json.dumps(handle))
+    assert pair.of(ev.LeaseReleased, instance="D")
+    assert D.side_channel.get("retained/t1") is None
+    assert "t1-d" in D.build_connector_meta().finished_sending
+    ask("renew/" + json.dumps(handle))
+    assert replies[-1] is None  # refused: the lease is gone
+    pair.replay_ok()
+
+
+def test_bad_params_are_refused_not_raised() -> None:
+    with pytest.raises(PeerError):
+        parse_leg({"do_remote_prefill": True, "kvplane": {"mode": "pull"}}, "r")
+    assert parse_leg({"do_remote_decode": True}, "r") is None
+    leg = parse_leg({"kvplane": {"role": "decode", "mode": "push", "xfer": "x"}}, "r")
+    assert isinstance(leg, Leg) and leg.source is None  # decode computes, may retain
+    pair = Pair()
+    P = pair.half("P")
+    rp = request("bad", {"do_remote_decode": True, "kvplane": {"v": 99}}, PROMPT)
+    assert P.get_num_new_matched_tokens(rp, 0) == (0, False)
