@@ -1,0 +1,1257 @@
+"""The KV-cache-aware router: an async HTTP service in front of prefill and decode instances.
+
+What it serves: OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/completions`
+(streamed as server-sent events or not), `GET /v1/models`, `GET /health` and `GET /metrics`
+(Prometheus). Modes: `pull`, `push`, `bidirectional` (SPEC.md sections 1-3). The legs it sends
+and the answers it reads are `router_upstream`'s (the connector contract).
+
+Rules it keeps:
+- Only the router writes `kv_transfer_params`: a client body that carries the field is refused
+  with 400. Decode's answers lose the field before they reach the client.
+- Pull and bidirectional: prefill's one-token leg first, then decode's leg with the metadata
+  prefill returned. Push: both legs at once, one `X-Request-Id`; if prefill fails, decode's
+  leg is cut and the client gets the reason.
+- The decode instance is chosen by `kvplane.core.routing.choose` over loads the router tracks
+  itself (legs in flight per instance); `kv_affinity` prefers the decode that retains the
+  conversation's KV. Prefill instances are chosen round robin, or least loaded otherwise,
+  among those whose KV layout fits the chosen decode.
+- The conversation table is the core's `SessionTable`, keyed by (tenant, conversation): the
+  tenant comes from the API key (or `X-Tenant` without one), so one tenant's conversation id
+  never reaches another tenant's KV. A turn takes its conversation's handle (single use), hands
+  it to prefill signed with the router's HMAC key, and stores decode's new handle when the turn
+  ends; a turn that stored nothing puts an unexpired handle back. A replaced or superseded lease
+  is released on its decode; renewable leases of active conversations get heartbeats, idle
+  ones are left to expire.
+- Every decision and observation is a core event handed to the recorder; recording never waits
+  for the database (`BatchingRecorder` queues, a thread writes). On start the table is rebuilt
+  by folding the run's `Session*` events, so a restart loses no conversation (decode's full
+  handle, which the table does not keep, is asked of decode's side channel when next needed).
+- At first contact the router reads each instance's identity (side channel) and does not route
+  to one that does not fit its mode, or pair instances whose KV layouts differ; the refusal
+  names both sides' settings.
+- Errors are OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code"}}`: 400
+  malformed or forbidden input, 401 bad API key, 404 unknown model, 413 oversize body; 502 an
+  instance down, broken or misconfigured; 504 an instance too slow. Reuse that fails falls back
+  to recompute (a second prefill attempt without the handle) and is recorded (`KVLoadFailed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from kvplane.core.events import (
+    Event,
+    FirstTokenEmitted,
+    KVLoadFailed,
+    MetadataRelayed,
+    RequestArrived,
+    RequestFinished,
+    RequestRouted,
+    SessionDropped,
+    SessionMissed,
+    SessionRenewed,
+    SessionStored,
+    SessionTaken,
+)
+from kvplane.core.reuse import RetainedHandle
+from kvplane.core.routing import Load, Policy, choose
+from kvplane.core.sessions import Drop, Expire, Renew, SessionKey, SessionTable, Store, Take
+
+from .router_config import Role, RouterConfig, Upstream
+from .router_handles import (
+    HandleError,
+    core_handle,
+    sign_wire,
+    tenant_of,
+    valid_name,
+    with_expiry,
+)
+from .router_metrics import CONTENT_TYPE, RouterMetrics
+from .router_proxy import SSEReader, completion_tokens, sse, strip_params
+from .router_upstream import (
+    FetchHandle,
+    Heartbeat,
+    Identity,
+    Release,
+    SettingsError,
+    UpstreamError,
+    decode_body,
+    describe,
+    fetch_identity,
+    kvplane_params,
+    mismatch,
+    pair_mismatch,
+    prefill_body,
+    side_fetch_handle,
+    side_heartbeat,
+    side_release,
+)
+
+log = logging.getLogger("kvplane.router")
+
+T = TypeVar("T")
+
+SESSION_EVENTS: tuple[type[Event], ...] = (
+    SessionStored, SessionTaken, SessionDropped, SessionRenewed,
+)
+# what prefill may report in `kvplane.reuse.outcome`: "could not read, recomputed instead"
+_REUSE_FAILED = ("failed", "expired", "refused")
+
+
+class RecorderLike(Protocol):
+    """What the router needs of a recorder (`kvplane.store.Recorder` fits)."""
+
+    def record(self, event: Event) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Refusal(Exception):
+    """An answer the router gives instead of routing: status and an OpenAI-shaped error."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def error_body(
+    message: str, type_: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _refusal_of(exc: UpstreamError) -> Refusal:
+    status = exc.status
+    if status < 500:  # the engine judged the client's request: pass its words on
+        msg = exc.reason
+        if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict):
+            msg = str(exc.body["error"].get("message", msg))
+        return Refusal(status, msg, "invalid_request_error", "upstream_rejected")
+    code = {
+        "timeout": "upstream_timeout",
+        "down": "upstream_unavailable",
+        "status": "upstream_error",
+        "protocol": "upstream_protocol_error",
+    }[exc.kind]
+    return Refusal(status, exc.reason, "server_error", code)
+
+
+@dataclass(slots=True)
+class Contact:
+    """What the router learned at first contact with one instance."""
+
+    state: Literal["unknown", "ok", "down", "mismatch"] = "unknown"
+    reason: str = ""
+    timeout: bool = False
+    identity: Identity | None = None
+    models: tuple[str, ...] = ()
+    checked_at: float = float("-inf")  # monotonic
+    lock: asyncio.Lock | None = None
+
+
+@dataclass(slots=True)
+class Turn:
+    """One client request on its way through the router."""
+
+    id: str  # also the transfer id (`xfer`) both legs carry
+    endpoint: str  # "completions" | "chat"
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    tenant: str
+    conversation: str | None
+    arrived: float  # wall clock (event time)
+    t0: float  # monotonic
+    turn: int = 0
+    attempt: int = 0
+    taken: RetainedHandle | None = None
+    taken_wire: dict[str, Any] | None = None  # decode's full handle for `taken`, if known
+    prefill: Upstream | None = None
+    decode: Upstream | None = None
+    ttft: float | None = None
+    output_tokens: int = 0
+    retained: dict[str, Any] | None = None  # decode's new handle (its dict)
+    stored: bool = False
+    cut: bool = False  # the stream broke off (upstream or client) after it had started
+
+    @property
+    def key(self) -> SessionKey | None:
+        return (self.tenant, self.conversation) if self.conversation is not None else None
+
+
+class Router:
+    """The router's state and handlers; `app()` is the aiohttp application serving them."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        recorder: RecorderLike | None = None,
+        history: Iterable[Event] = (),
+        clock: Callable[[], float] = time.time,
+        heartbeat: Heartbeat | None = None,
+        release: Release | None = None,
+        fetch_handle: FetchHandle | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config.checked()
+        self.recorder = recorder
+        self.clock = clock
+        self.metrics = RouterMetrics()
+        self.table = SessionTable(instance=config.instance)
+        self.turns: dict[SessionKey, int] = {}
+        self.xfers: dict[SessionKey, str] = {}  # the transfer that stored each handle
+        self.wires: dict[SessionKey, dict[str, Any]] = {}  # decode's full handle, by key
+        self.rebuilt = 0
+        for ev in history:
+            if isinstance(ev, SESSION_EVENTS):
+                self.table.apply(ev)
+                self.rebuilt += 1
+                if isinstance(ev, SessionStored):
+                    key = (ev.tenant, ev.conversation)
+                    self.turns[key] = self.turns.get(key, 0) + 1
+                    if ev.request is not None:
+                        self.xfers[key] = ev.request
+        self.last_turn: dict[SessionKey, float] = {}  # monotonic end of the last turn
+        ups = config.prefill + config.decode
+        self.contacts: dict[str, Contact] = {u.id: Contact() for u in ups}
+        self.inflight: dict[str, int] = {u.id: 0 for u in ups}
+        self._rr: dict[Role, int] = {"prefill": 0, "decode": 0}
+        self._session: aiohttp.ClientSession | None = None
+        t = config.timeouts.control
+        self._heartbeat = heartbeat or side_heartbeat(t)
+        self._release = release or side_release(t)
+        self._fetch_handle = fetch_handle or side_fetch_handle(t)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._lease_task: asyncio.Task[None] | None = None
+        self._started = time.monotonic()
+        self._on_close = on_close
+
+    # --- the application -------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[self._errors_middleware]
+        )
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _app: web.Application) -> None:
+        self._started = time.monotonic()
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0), auto_decompress=False
+        )
+        # rebuilt conversations count as active from now: a restart must not idle them out
+        for key in self.table.handles:
+            self.last_turn.setdefault(key, self._started)
+        self._expire()
+        self._lease_task = asyncio.create_task(self._lease_loop(), name="kvplane-router-leases")
+        self._spawn(self.contact_all())
+
+    async def _cleanup(self, _app: web.Application) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._lease_task
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with suppress(BaseException):
+                await task
+        if self._session is not None:
+            await self._session.close()
+        if self.recorder is not None:
+            try:
+                await asyncio.to_thread(self.recorder.flush)
+            except Exception:
+                log.exception("flushing the recorder at shutdown failed")
+        if self._on_close is not None:
+            await asyncio.to_thread(self._on_close)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router's application has not started")
+        return self._session
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @web.middleware
+    async def _errors_middleware(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+            return self._error_response(
+                Refusal(exc.status, exc.reason, "invalid_request_error", code.get(exc.status)),
+                "other",
+            )
+        except Exception as exc:  # a bug must still answer in the API's shape
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return self._error_response(
+                Refusal(500, f"internal router error: {exc!r}", "server_error", "internal_error"),
+                "other",
+            )
+
+    def _error_response(
+        self, r: Refusal, endpoint: str, headers: Mapping[str, str] | None = None
+    ) -> web.Response:
+        self.metrics.errors.labels(r.type, r.code or "").inc()
+        self.metrics.requests.labels(endpoint, self.config.mode, str(r.status)).inc()
+        return web.json_response(
+            error_body(r.message, r.type, r.code, r.param), status=r.status, headers=headers
+        )
+
+    # --- small endpoints -------------------------------------------------------------------------
+
+    async def health(self, _request: web.Request) -> web.Response:
+        await self.contact_all()
+        instances = {}
+        for u in self.config.prefill + self.config.decode:
+            c = self.contacts[u.id]
+            instances[u.id] = {
+                "role": u.role,
+                "url": u.url,
+                "side_channel": "{}:{}".format(*u.side_channel),
+                "state": c.state,
+                "reason": c.reason or None,
+                "inflight": self.inflight[u.id],
+                "settings": c.identity.summary() if c.identity is not None else None,
+            }
+        routable = all(
+            any(self.contacts[u.id].state == "ok" for u in ups)
+            for ups in (self.config.prefill, self.config.decode)
+        )
+        body = {
+            "status": "ok" if routable else "unavailable",
+            "mode": self.config.mode,
+            "policy": self.config.policy.kind,
+            "sessions": len(self.table.handles),
+            "instances": instances,
+        }
+        return web.json_response(body, status=200 if routable else 503)
+
+    async def models(self, _request: web.Request) -> web.Response:
+        await self.contact_all()
+        data = [{"id": m, "object": "model", "owned_by": "kvplane"} for m in self.known_models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        self._session_gauges()
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    # --- first contact ---------------------------------------------------------------------------
+
+    async def contact_all(self) -> None:
+        await asyncio.gather(*(self.contact(u) for u in self.config.prefill + self.config.decode))
+
+    async def contact(self, up: Upstream) -> Contact:
+        """Learn an instance's models and kvplane identity, once (failures: again later)."""
+        c = self.contacts[up.id]
+        if self._settled(c):
+            return c
+        if c.lock is None:
+            c.lock = asyncio.Lock()
+        async with c.lock:
+            if not self._settled(c):  # another request may have probed while we waited
+                await self._probe(up, c)
+        return c
+
+    def _settled(self, c: Contact) -> bool:
+        """Known good, or known bad and not yet due for another look."""
+        if c.state == "ok":
+            return True
+        age = time.monotonic() - c.checked_at
+        return c.state != "unknown" and age < self.config.leases.recheck_after
+
+    async def _probe(self, up: Upstream, c: Contact) -> None:
+        limit = self.config.timeouts.control
+        t = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.config.timeouts.connect)
+        mode = self.config.mode
+        try:
+            try:
+                async with self.session.get(
+                    up.url + "/v1/models", headers=self._upstream_auth(), timeout=timeout
+                ) as resp:
+                    models = await resp.json(content_type=None) if resp.status == 200 else None
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                raise describe(exc, up, "models probe", limit) from None
+            data = models.get("data") if isinstance(models, dict) else None
+            c.models = tuple(
+                str(m["id"]) for m in data or () if isinstance(m, dict) and "id" in m
+            )
+            if self.config.check_settings:
+                try:
+                    ident = await fetch_identity(up, limit)
+                except SettingsError as exc:
+                    return self._set_contact(
+                        c, "mismatch",
+                        f"refusing to route to {up.role} instance {up.id} ({up.url}): its "
+                        f"kvplane identity is unreadable ({exc}); router mode {mode}",
+                    )
+                if ident is None:
+                    host, port = up.side_channel
+                    return self._set_contact(
+                        c, "mismatch",
+                        f"refusing to route to {up.role} instance {up.id} ({up.url}): its side "
+                        f"channel {host}:{port} has no kvplane identity (is KvplaneConnector "
+                        f"loaded there?); router mode {mode}",
+                    )
+                c.identity = ident
+                problem = mismatch(mode, up, ident)
+                if problem is not None:
+                    return self._set_contact(c, "mismatch", problem)
+            self._set_contact(c, "ok", "")
+        except UpstreamError as err:
+            self._set_contact(c, "down", err.reason, timeout=err.kind == "timeout")
+        finally:
+            self.metrics.upstream_latency.labels(up.role, up.id, "control").observe(
+                time.monotonic() - t
+            )
+
+    def _set_contact(
+        self,
+        c: Contact,
+        state: Literal["ok", "down", "mismatch"],
+        reason: str,
+        *,
+        timeout: bool = False,
+    ) -> None:
+        c.state, c.reason, c.timeout, c.checked_at = state, reason, timeout, time.monotonic()
+        if state != "ok" and reason:
+            log.warning("%s", reason)
+
+    def _mark_down(self, instance: str, err: UpstreamError) -> None:
+        """A leg could not reach the instance: skip it until the next recheck (slow is not down)."""
+        if err.kind == "down" and instance in self.contacts:
+            self._set_contact(self.contacts[instance], "down", err.reason)
+
+    def known_models(self) -> tuple[str, ...]:
+        if self.config.models:
+            return self.config.models
+        seen: dict[str, None] = {}
+        for c in self.contacts.values():
+            for m in c.models:
+                seen.setdefault(m, None)
+        return tuple(seen)
+
+    def _usable(self, role: Role) -> list[Upstream]:
+        ups = self.config.prefill if role == "prefill" else self.config.decode
+        ok = [u for u in ups if self.contacts[u.id].state == "ok"]
+        if ok:
+            return ok
+        cs = [self.contacts[u.id] for u in ups]
+        reasons = "; ".join(c.reason or f"{u.id}: not contacted" for u, c in zip(ups, cs))
+        if any(c.state == "mismatch" for c in cs):
+            raise Refusal(502, reasons, "server_error", "kv_mode_mismatch")
+        if all(c.timeout for c in cs):
+            raise Refusal(504, f"no {role} instance answered: {reasons}", "server_error",
+                          "upstream_timeout")
+        raise Refusal(502, f"no {role} instance is reachable: {reasons}", "server_error",
+                      "upstream_unavailable")
+
+    # --- completions -----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        t0, arrived = time.monotonic(), self.clock()
+        try:
+            turn = await self._admit(request, chat=chat, t0=t0, arrived=arrived)
+        except Refusal as r:
+            return self._error_response(r, endpoint)
+        ok = False
+        try:
+            resp = await self._serve(request, turn)
+            ok = not turn.cut
+            self.metrics.requests.labels(endpoint, self.config.mode, str(resp.status)).inc()
+            return resp
+        except Refusal as r:
+            return self._error_response(r, endpoint, {"X-Request-Id": turn.id})
+        except UpstreamError as exc:
+            self._mark_down(exc.instance, exc)
+            return self._error_response(_refusal_of(exc), endpoint, {"X-Request-Id": turn.id})
+        finally:
+            self._end_turn(turn, ok=ok)
+
+    async def _admit(
+        self, request: web.Request, *, chat: bool, t0: float, arrived: float
+    ) -> Turn:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise Refusal(413, f"request body of {request.content_length} bytes is over the "
+                          f"limit of {limit} bytes", code="request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Refusal(413, f"request body is over the limit of {limit} bytes",
+                          code="request_too_large") from None
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise Refusal(400, f"malformed JSON in the request body: {exc}",
+                          code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise Refusal(400, "the request body must be a JSON object", code="invalid_json")
+        if "kv_transfer_params" in body:
+            raise Refusal(400, "kv_transfer_params is set by the router only; a client may not "
+                          "send it", code="kv_transfer_params_forbidden",
+                          param="kv_transfer_params")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise Refusal(400, "stream must be true or false", code="invalid_value",
+                          param="stream")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise Refusal(400, "model must be a string", code="invalid_value", param="model")
+        if chat and not isinstance(body.get("messages"), list):
+            raise Refusal(400, "messages must be a list", code="invalid_value",
+                          param="messages")
+        if not chat and "prompt" not in body:
+            raise Refusal(400, "prompt is required", code="missing_required_parameter",
+                          param="prompt")
+        has_auth = "Authorization" in request.headers
+        tenant, source = tenant_of(request.headers, self.config.api_keys)
+        if source == "invalid":
+            raise Refusal(401 if has_auth else 400,
+                          "unusable Authorization (want `Bearer <key>`) or X-Tenant header",
+                          code="invalid_api_key" if has_auth else "invalid_tenant")
+        if self.config.require_api_key and source != "known_key":
+            raise Refusal(401, "a valid API key is required (Authorization: Bearer <key>)",
+                          code="invalid_api_key")
+        conversation = body.pop("conversation_id", None)
+        if conversation is None:
+            conversation = request.headers.get("X-Conversation-Id")
+        if conversation is not None and not valid_name(conversation):
+            raise Refusal(400, "conversation_id must be 1-256 printable ASCII characters "
+                          "without spaces", code="invalid_value", param="conversation_id")
+        await self.contact_all()
+        known = self.known_models()
+        if model is not None and known and model not in known:
+            raise Refusal(404, f"The model `{model}` does not exist (served: "
+                          f"{', '.join(known)})", code="model_not_found", param="model")
+        turn = Turn(
+            id=f"kvp-{uuid.uuid4().hex}",
+            endpoint="chat" if chat else "completions",
+            path="/v1/chat/completions" if chat else "/v1/completions",
+            body=body,
+            stream=stream,
+            tenant=tenant,
+            conversation=conversation,
+            arrived=arrived,
+            t0=t0,
+        )
+        if turn.key is not None:
+            turn.turn = self.turns.get(turn.key, 0)
+        prompt = body.get("prompt")
+        token_ids = isinstance(prompt, list) and all(isinstance(x, int) for x in prompt)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        self._record(
+            RequestArrived(
+                at=arrived,
+                instance=self.config.instance,
+                request=turn.id,
+                # 0: unknown here (the router does not tokenize text)
+                prompt_tokens=len(prompt) if token_ids and isinstance(prompt, list) else 0,
+                output_tokens=max_tokens if isinstance(max_tokens, int) else 0,
+                conversation=conversation,
+                tenant=tenant,
+                turn=turn.turn,
+            )
+        )
+        return turn
+
+    async def _serve(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        prefills, decodes = self._usable("prefill"), self._usable("decode")
+        bidi = self.config.mode == "bidirectional"
+        if bidi and turn.key is not None:
+            self._take(turn)
+        affinity = turn.taken.decode if turn.taken is not None else None
+        turn.decode = self._choose("decode", decodes, affinity)
+        turn.prefill = self._choose("prefill", self._pairable(prefills, turn.decode), None)
+        self._record(
+            RequestRouted(
+                at=self.clock(),
+                instance=self.config.instance,
+                request=turn.id,
+                mode="push" if self.config.mode == "push" else "pull",
+                prefill=turn.prefill.id,
+                decode=turn.decode.id,
+                bidirectional=bidi,
+            )
+        )
+        if self.config.mode == "push":
+            return await self._push(request, turn)
+        return await self._pull(request, turn)
+
+    def _pairable(self, prefills: list[Upstream], decode: Upstream) -> list[Upstream]:
+        d = self.contacts[decode.id].identity
+        if d is None:
+            return prefills
+        fits, reasons = [], []
+        for p in prefills:
+            ident = self.contacts[p.id].identity
+            problem = pair_mismatch(p, ident, decode, d) if ident is not None else None
+            if problem is None:
+                fits.append(p)
+            else:
+                reasons.append(problem)
+        if not fits:
+            raise Refusal(502, "; ".join(reasons), "server_error", "kv_layout_mismatch")
+        return fits
+
+    def _choose(self, role: Role, ups: list[Upstream], affinity: str | None) -> Upstream:
+        loads = [Load(u.id, running=self.inflight[u.id]) for u in ups]
+        policy = self.config.policy
+        if role == "prefill" and policy.kind == "kv_affinity":
+            policy = Policy("least_loaded")
+        name = choose(policy, loads, self._rr[role], affinity)
+        self._rr[role] += 1
+        return next(u for u in ups if u.id == name)
+
+    # --- the legs --------------------------------------------------------------------------------
+
+    def _headers(self, turn: Turn) -> dict[str, str]:
+        return {"X-Request-Id": turn.id, "Content-Type": "application/json",
+                **self._upstream_auth()}
+
+    def _upstream_auth(self) -> dict[str, str]:
+        key = self.config.upstream_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _leg_started(self, up: Upstream) -> float:
+        self.inflight[up.id] += 1
+        self.metrics.inflight.labels(up.role, up.id).set(self.inflight[up.id])
+        return time.monotonic()
+
+    def _leg_ended(self, up: Upstream) -> None:
+        self.inflight[up.id] -= 1
+        self.metrics.inflight.labels(up.role, up.id).set(self.inflight[up.id])
+
+    async def _prefill_leg(self, turn: Turn, reuse: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Prefill's one-token leg; its answer (JSON object) or `UpstreamError`."""
+        up = turn.prefill
+        assert up is not None
+        body = prefill_body(
+            turn.body,
+            chat=turn.endpoint == "chat",
+            mode=self.config.mode,
+            xfer=turn.id,
+            attempt=turn.attempt,
+            reuse=reuse,
+            tenant=turn.tenant,
+            conversation=turn.conversation,
+        )
+        limit = self.config.timeouts.prefill
+        t = self._leg_started(up)
+        try:
+            async with self.session.post(
+                up.url + turn.path,
+                json=body,
+                headers=self._headers(turn),
+                timeout=aiohttp.ClientTimeout(total=limit,
+                                              sock_connect=self.config.timeouts.connect),
+            ) as resp:
+                status, text = resp.status, await resp.text()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise describe(exc, up, "prefill leg", limit) from None
+        finally:
+            self._leg_ended(up)
+            self.metrics.upstream_latency.labels("prefill", up.id, "prefill").observe(
+                time.monotonic() - t
+            )
+        return _answer(up, "prefill leg", status, text)
+
+    async def _reuse_wire(self, turn: Turn) -> dict[str, Any] | None:
+        """The signed handle for prefill's `reuse`, or None (recorded) if it cannot be had."""
+        h, key = turn.taken, turn.key
+        if h is None or key is None:
+            return None
+        wire = turn.taken_wire
+        if wire is None:  # rebuilt after a restart: ask decode for the full handle
+            up, xfer = self.config.upstream(h.decode), self.xfers.get(key)
+            if up is not None and xfer is not None:
+                try:
+                    wire = await self._fetch_handle(up, xfer)
+                except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
+                    log.warning("fetching %s's handle from %s failed: %s", xfer, h.decode, exc)
+            if wire is None or wire.get("lease") != h.lease:
+                self._reuse_failed(turn, "unavailable",
+                                   f"decode {h.decode} has no handle for lease {h.lease}")
+                return None
+            turn.taken_wire = wire
+        self.metrics.transfers.labels(self.config.mode, "D->P").inc()
+        return sign_wire(self.config.hmac_key, with_expiry(wire, h), key[0], key[1])
+
+    async def _prefill_with_fallback(self, turn: Turn) -> dict[str, Any]:
+        """Prefill, reusing the taken handle if any; a failed reuse is recomputed (recorded)."""
+        reuse = await self._reuse_wire(turn)
+        try:
+            answer = await self._prefill_leg(turn, reuse)
+        except UpstreamError as exc:
+            if reuse is None or exc.kind not in ("status", "protocol") or exc.status < 500:
+                raise
+            self._reuse_failed(turn, "prefill_error", f"prefill failed with the handle: {exc}")
+            turn.attempt += 1
+            return await self._prefill_leg(turn, None)
+        info = kvplane_params(answer)
+        outcome = info.get("reuse") if info else None
+        if reuse is not None and isinstance(outcome, dict):
+            what = outcome.get("outcome")
+            if what in _REUSE_FAILED:
+                self._reuse_failed(turn, str(what), str(outcome.get("reason") or what))
+        return answer
+
+    def _reuse_failed(self, turn: Turn, kind: str, reason: str) -> None:
+        self.metrics.reuse_fallbacks.labels(kind).inc()
+        self._record(
+            KVLoadFailed(
+                at=self.clock(),
+                instance=self.config.instance,
+                request=turn.id,
+                attempt=turn.attempt,
+                reason=f"reuse fell back to recompute ({kind}): {reason}",
+            )
+        )
+
+    async def _pull(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        answer = await self._prefill_with_fallback(turn)
+        assert turn.prefill is not None and turn.decode is not None
+        params = answer.get("kv_transfer_params")
+        info = kvplane_params(answer)
+        pull = info.get("pull") if info else None
+        if not isinstance(params, dict) or not isinstance(pull, dict):
+            # prefill kept nothing for decode (its connector said no transfer): decode computes
+            # the prompt itself; slower, but the client still gets its answer
+            self._reuse_failed(turn, "no_prefill_kv",
+                               f"prefill {turn.prefill.id} returned no KV handle")
+            return await self._decode_leg(request, turn, pulled=None, source=None, guard=None)
+        blocks = pull.get("blocks")
+        num_tokens = pull.get("num_tokens")
+        self._record(
+            MetadataRelayed(
+                at=self.clock(),
+                instance=self.config.instance,
+                request=turn.id,
+                attempt=turn.attempt,
+                prefill=turn.prefill.id,
+                decode=turn.decode.id,
+                src_blocks=tuple(b for b in blocks if isinstance(b, int))
+                if isinstance(blocks, list)
+                else (),
+                num_tokens=num_tokens if isinstance(num_tokens, int) else 0,
+            )
+        )
+        self.metrics.transfers.labels(self.config.mode, "P->D").inc()
+        return await self._decode_leg(request, turn, pulled=params, source=None, guard=None)
+
+    async def _push(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        assert turn.prefill is not None
+        ident = self.contacts[turn.prefill.id].identity
+        if ident is None:
+            raise Refusal(502, f"push needs prefill {turn.prefill.id}'s side-channel endpoint, "
+                          "which the router has not learned (settings check off?)",
+                          "server_error", "kv_mode_mismatch")
+        self.metrics.transfers.labels(self.config.mode, "P->D").inc()
+        prefill = asyncio.create_task(self._prefill_leg(turn, None))
+        try:
+            resp = await self._decode_leg(request, turn, pulled=None, source=ident.endpoint,
+                                          guard=prefill)
+        except BaseException:
+            prefill.cancel()
+            with suppress(BaseException):
+                await prefill
+            raise
+        try:
+            await prefill
+        except UpstreamError as exc:  # decode answered anyway (it computed the prompt)
+            log.warning("push: prefill leg of %s failed after decode answered: %s", turn.id, exc)
+        return resp
+
+    async def _race(self, aw: Awaitable[T], guard: asyncio.Task[Any] | None) -> T:
+        """Await `aw`, unless the guard (push's prefill leg) fails first: then raise its error."""
+        if guard is None or (guard.done() and guard.exception() is None):
+            return await aw
+        task = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait({task, guard}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if task in done:
+            return task.result()
+        exc = guard.exception()
+        if exc is None:
+            return await task
+        task.cancel()
+        with suppress(BaseException):
+            await task
+        raise exc
+
+    async def _decode_leg(
+        self,
+        request: web.Request,
+        turn: Turn,
+        *,
+        pulled: Mapping[str, Any] | None,
+        source: Mapping[str, Any] | None,
+        guard: asyncio.Task[Any] | None,
+    ) -> web.StreamResponse:
+        up, prefill = turn.decode, turn.prefill
+        assert up is not None and prefill is not None
+        retain = self.config.mode == "bidirectional" and turn.key is not None
+        body = decode_body(
+            turn.body,
+            mode=self.config.mode,
+            xfer=turn.id,
+            attempt=turn.attempt,
+            prefill=prefill.id,
+            pulled=pulled,
+            source=source,
+            retain=True if retain else None,
+            retain_ttl=self.config.leases.ttl if retain else None,
+            tenant=turn.tenant,
+            conversation=turn.conversation,
+        )
+        to = self.config.timeouts
+        if turn.stream:
+            timeout = aiohttp.ClientTimeout(sock_connect=to.connect, sock_read=to.decode_gap)
+        else:
+            timeout = aiohttp.ClientTimeout(sock_connect=to.connect, total=to.decode_first)
+        t = self._leg_started(up)
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                resp = await self._race(
+                    asyncio.wait_for(
+                        self.session.post(
+                            up.url + turn.path, json=body, headers=self._headers(turn),
+                            timeout=timeout,
+                        ),
+                        to.decode_first,
+                    ),
+                    guard,
+                )
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise describe(exc, up, "decode leg", to.decode_first) from None
+            finally:
+                self.metrics.upstream_latency.labels("decode", up.id, "decode").observe(
+                    time.monotonic() - t
+                )
+            if resp.status != 200 or not turn.stream:
+                try:
+                    text = await self._race(resp.text(), guard)
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    raise describe(exc, up, "decode leg", to.decode_first) from None
+                return self._reply_whole(turn, _answer(up, "decode leg", resp.status, text),
+                                         retain)
+            return await self._relay(request, turn, resp, guard, retain)
+        finally:
+            if resp is not None:
+                resp.release()
+            self._leg_ended(up)
+
+    def _reply_whole(self, turn: Turn, answer: dict[str, Any], retain: bool) -> web.Response:
+        info = strip_params(answer)
+        turn.ttft = time.monotonic() - turn.t0
+        self._first_token(turn)
+        turn.output_tokens = completion_tokens(answer) or 0
+        if retain:
+            handle = info.get("retained") if info else None
+            turn.retained = handle if isinstance(handle, dict) else None
+        return web.json_response(answer, headers={"X-Request-Id": turn.id})
+
+    async def _relay(
+        self,
+        request: web.Request,
+        turn: Turn,
+        resp: aiohttp.ClientResponse,
+        guard: asyncio.Task[Any] | None,
+        retain: bool,
+    ) -> web.StreamResponse:
+        """Pass decode's SSE stream to the client, event by event."""
+        up = turn.decode
+        assert up is not None
+        reader = SSEReader()
+        client: web.StreamResponse | None = None
+
+        async def send(raw: bytes, tokens: bool) -> None:
+            nonlocal client
+            if client is None:
+                client = web.StreamResponse(
+                    status=200,
+                    headers={
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        "X-Request-Id": turn.id,
+                    },
+                )
+                await client.prepare(request)
+            await client.write(raw)
+            if tokens and turn.ttft is None:
+                turn.ttft = time.monotonic() - turn.t0
+                self._first_token(turn)
+
+        gap = self.config.timeouts.decode_gap
+        try:
+            while True:
+                try:
+                    chunk = await self._race(resp.content.readany(), guard)
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    raise describe(exc, up, "decode stream", gap) from None
+                if not chunk:
+                    break
+                for raw, tokens in reader.feed(chunk):
+                    await send(raw, tokens)
+            for raw, tokens in reader.rest():
+                await send(raw, tokens)
+        except UpstreamError as exc:
+            if client is None:
+                raise
+            self._mark_down(exc.instance, exc)
+            turn.cut = True  # the client gets the reason as a last event
+            with suppress(ConnectionError):
+                await client.write(
+                    sse(error_body(exc.reason, "server_error", "upstream_stream_broken"))
+                )
+                await client.write(b"data: [DONE]\n\n")
+        except ConnectionError:
+            turn.cut = True  # the client went away; closing decode's stream aborts it there
+            resp.close()
+            return client or web.Response(status=499)
+        turn.output_tokens = reader.output_tokens
+        if retain and not turn.cut:
+            handle = reader.kvplane.get("retained") if reader.kvplane else None
+            if not isinstance(handle, dict):
+                # vLLM 0.32 puts kv_transfer_params in whole answers only: ask decode's side
+                # channel for the handle it retained for this transfer
+                try:
+                    handle = await self._fetch_handle(up, turn.id)
+                except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
+                    log.warning("no retained handle for %s from %s: %s", turn.id, up.id, exc)
+                    handle = None
+            turn.retained = handle if isinstance(handle, dict) else None
+        if client is None:  # an empty stream: still answer a well-formed one
+            await send(b"data: [DONE]\n\n", False)
+        assert client is not None
+        with suppress(ConnectionError):
+            await client.write_eof()
+        return client
+
+    # --- the conversation table ------------------------------------------------------------------
+
+    def _take(self, turn: Turn) -> None:
+        assert turn.key is not None
+        tenant, conversation = turn.key
+        held = self.table.handle_of(tenant, conversation)
+        events = self.table.handle(Take(tenant, conversation, turn.id), self.clock())
+        self._record_all(events)
+        for ev in events:
+            if isinstance(ev, SessionTaken):
+                turn.taken = held
+                turn.taken_wire = self.wires.pop(turn.key, None)
+                self.metrics.reuse_hits.inc()
+            elif isinstance(ev, SessionMissed):
+                self.metrics.reuse_misses.labels(ev.reason).inc()
+            elif isinstance(ev, SessionDropped):
+                self.metrics.leases_dropped.labels(ev.reason).inc()
+                self.wires.pop(turn.key, None)
+
+    def _end_turn(self, turn: Turn, *, ok: bool) -> None:
+        """Record the outcome; store decode's new handle, or put the taken one back."""
+        e2e = time.monotonic() - turn.t0
+        ttft = turn.ttft if turn.ttft is not None else e2e
+        n = turn.output_tokens
+        mode = self.config.mode
+        self._record(
+            RequestFinished(
+                at=self.clock(),
+                instance=self.config.instance,
+                request=turn.id,
+                output_tokens=n,
+                ttft=ttft,
+                tpot=(e2e - ttft) / (n - 1) if n > 1 else 0.0,
+                e2e=e2e,
+                ok=ok,
+            )
+        )
+        if ok:
+            self.metrics.ttft.labels(mode, str(turn.stream).lower()).observe(ttft)
+            self.metrics.e2e.labels(mode).observe(e2e)
+        key = turn.key
+        if key is None:
+            return
+        self.last_turn[key] = time.monotonic()
+        if mode != "bidirectional":
+            return
+        now = self.clock()
+        if ok and turn.retained is not None and turn.decode is not None:
+            try:
+                new = core_handle(turn.retained, decode=turn.decode.id)
+            except HandleError as exc:
+                log.warning("decode %s returned an unusable handle for %s: %s",
+                            turn.decode.id, turn.id, exc)
+                self.metrics.errors.labels("upstream_protocol", "bad_handle").inc()
+            else:
+                self._store(key, new, turn.retained, turn.id, now)
+                self.turns[key] = self.turns.get(key, 0) + 1
+                turn.stored = True
+        taken = turn.taken
+        if taken is None:
+            return
+        current = self.table.handle_of(*key)
+        if turn.stored:
+            if current is None or current.lease != taken.lease:
+                self._release_later(key, taken, turn.taken_wire, "superseded")
+        elif taken.expires_at > now and current is None:
+            # nothing newer (the turn failed, or decode kept nothing): the old KV is still a
+            # prefix of the conversation, so keep it for the next turn
+            self._store(key, taken, turn.taken_wire, turn.id, now)
+
+    def _store(
+        self,
+        key: SessionKey,
+        h: RetainedHandle,
+        wire: dict[str, Any] | None,
+        request: str,
+        now: float,
+    ) -> None:
+        old, old_wire = self.table.handle_of(*key), self.wires.get(key)
+        events = self.table.handle(Store(key[0], key[1], h, request), now)
+        self._record_all(events)
+        if wire is not None:
+            self.wires[key] = wire
+        else:
+            self.wires.pop(key, None)
+        self.xfers[key] = request if wire is None or "xfer" not in wire else str(wire["xfer"])
+        for ev in events:
+            if isinstance(ev, SessionDropped):
+                self.metrics.leases_dropped.labels(ev.reason).inc()
+                if old is not None:
+                    self._release_later(key, old, old_wire, ev.reason)
+
+    def _release_later(
+        self, key: SessionKey, h: RetainedHandle, wire: dict[str, Any] | None, reason: str
+    ) -> None:
+        up = self.config.upstream(h.decode)
+        if up is None or wire is None:
+            return  # without decode's full handle there is nothing to sign: it will expire
+        signed = sign_wire(self.config.hmac_key, with_expiry(wire, h), key[0], key[1])
+        release = self._release
+
+        async def go() -> None:
+            try:
+                await release(up, signed, reason)
+            except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
+                log.warning("releasing lease %s on %s failed: %s", h.lease, up.id, exc)
+
+        self._spawn(go())
+
+    # --- leases ----------------------------------------------------------------------------------
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.leases.heartbeat_every)
+            try:
+                await self.lease_round()
+            except Exception:  # the loop must outlive one bad round
+                log.exception("lease round failed")
+
+    def _expire(self) -> None:
+        events = self.table.handle(Expire(), self.clock())
+        self._record_all(events)
+        for ev in events:
+            if isinstance(ev, SessionDropped):
+                self.metrics.leases_dropped.labels(ev.reason).inc()
+                self.wires.pop((ev.tenant, ev.conversation), None)
+
+    def active(self) -> list[tuple[SessionKey, RetainedHandle]]:
+        """Conversations with a handle whose last turn ended less than `idle_after` ago."""
+        now = time.monotonic()
+        idle = self.config.leases.idle_after
+        return [
+            (key, h)
+            for key, h in self.table.handles.items()
+            if now - self.last_turn.get(key, float("-inf")) < idle
+        ]
+
+    async def lease_round(self) -> None:
+        """Drop expired handles, then one heartbeat per active conversation's renewable lease."""
+        self._expire()
+        self._session_gauges()
+        if not self.config.leases.renewable:
+            return
+        beats = []
+        for key, h in self.active():
+            wire = self.wires.get(key)
+            if wire is not None and wire.get("renewable"):
+                beats.append(self._beat(key, h, wire))
+        await asyncio.gather(*beats)
+
+    async def _beat(self, key: SessionKey, h: RetainedHandle, wire: dict[str, Any]) -> None:
+        up = self.config.upstream(h.decode)
+        if up is None:
+            return
+        signed = sign_wire(self.config.hmac_key, with_expiry(wire, h), key[0], key[1])
+        t = time.monotonic()
+        try:
+            expires = await self._heartbeat(up, signed)
+        except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
+            self.metrics.heartbeats.labels("failed").inc()
+            log.warning("heartbeat for lease %s on %s failed: %s", h.lease, up.id, exc)
+            return
+        finally:
+            self.metrics.upstream_latency.labels("decode", up.id, "control").observe(
+                time.monotonic() - t
+            )
+        current = self.table.handle_of(*key)
+        if current is None or current.lease != h.lease:
+            return  # a turn took or replaced it meanwhile
+        if expires is None:
+            self.metrics.heartbeats.labels("refused").inc()
+            self.metrics.leases_dropped.labels("renewal refused").inc()
+            events = self.table.handle(Drop(key[0], key[1], "renewal refused"), self.clock())
+            self.wires.pop(key, None)
+        else:
+            self.metrics.heartbeats.labels("renewed").inc()
+            events = self.table.handle(Renew(key[0], key[1], expires), self.clock())
+        self._record_all(events)
+
+    def _session_gauges(self) -> None:
+        active = len(self.active())
+        self.metrics.sessions.labels("active").set(active)
+        self.metrics.sessions.labels("idle").set(len(self.table.handles) - active)
+
+    # --- recording -------------------------------------------------------------------------------
+
+    def _first_token(self, turn: Turn) -> None:
+        assert turn.ttft is not None
+        self._record(
+            FirstTokenEmitted(
+                at=self.clock(), instance=self.config.instance, request=turn.id, ttft=turn.ttft
+            )
+        )
+
+    def _record(self, event: Event) -> None:
+        if self.recorder is None:
+            return
+        try:
+            self.recorder.record(event)  # checks and queues; never waits for the database
+        except Exception:  # a recorder problem must not fail a client request
+            self.metrics.recorder_failures.inc()
+            log.exception("recording %s failed", type(event).__name__)
+
+    def _record_all(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            self._record(ev)
+
+
+def _answer(up: Upstream, what: str, status: int, text: str) -> dict[str, Any]:
+    """An instance's JSON answer, or `UpstreamError` saying what was wrong with it."""
+    try:
+        body = json.loads(text) if text else None
+    except json.JSONDecodeError:
+        body = None
+    if status != 200:
+        detail = body.get("error") if isinstance(body, dict) else None
+        if isinstance(detail, dict):
+            msg = str(detail.get("message"))
+        elif isinstance(body, dict) and isinstance(body.get("message"), str):
+            msg = body["message"]  # vLLM's older error shape
+        else:
+            msg = text[:200] or "no body"
+        raise UpstreamError(
+            "status", up.id,
+            f"{up.role} instance {up.id} ({up.url}) answered the {what} with HTTP {status}: "
+            f"{msg}",
+            status, body,
+        )
+    if not isinstance(body, dict):
+        raise UpstreamError(
+            "protocol", up.id,
+            f"{up.role} instance {up.id} ({up.url}) answered the {what} with something that "
+            f"is not a JSON object: {text[:200]!r}",
+        )
+    return body
+
+
+# --- running it ----------------------------------------------------------------------------------
+
+
+async def start(
+    router: Router, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, str]:
+    """Serve the router; `(runner, base URL)`. `await runner.cleanup()` stops it."""
+    runner = web.AppRunner(router.app(), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    addr = runner.addresses[0]
+    return runner, f"http://{addr[0]}:{addr[1]}"
+
+
+# --- the store: which run, and the table's history -----------------------------------------------
+
+
+def resume_run(
+    store: Any, *, name: str = "router", run_id: str | None = None, fresh: bool = False
+) -> tuple[str, list[Event]]:
+    """The run the router records into, and the `Session*` events to rebuild its table from.
+
+    `run_id` given: that run (created if new: every process of a deployment may share one).
+    Otherwise the newest live run of this router (`scenario` `router:<name>`), unless `fresh`
+    or there is none: then a new run. Blocking (database I/O): call it before serving.
+    """
+    from kvplane.store import RunNotFound
+
+    scenario = f"router:{name}"
+    meta = {"component": "router", "name": name}
+    if run_id is not None:
+        try:
+            store.run(run_id)
+        except RunNotFound:
+            store.create_run("live", scenario, meta=meta, run_id=run_id)
+    else:
+        runs = [] if fresh else [r for r in store.runs("live") if r.scenario == scenario]
+        run_id = runs[-1].id if runs else store.create_run("live", scenario, meta=meta)
+    assert run_id is not None
+    history = list(store.events(run_id, types=list(SESSION_EVENTS)))
+    return run_id, history
