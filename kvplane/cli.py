@@ -216,6 +216,16 @@ def demo(db: DbOpt = None) -> None:
     typer.echo(f"check it:  kvplane replay {summary['run_id']}")
 
 
+def _register_rooms() -> None:
+    """Commands whose rooms keep their own CLI modules (imports inside stay lazy)."""
+    from kvplane import cli_live
+
+    cli_live.register(app)
+
+
+_register_rooms()
+
+
 def main() -> None:
     try:
         app()
