@@ -65,8 +65,8 @@ def search(scenario: str | Scenario, *, ttft_p90_ms: float, tpot_p90_ms: float,
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     if qps is None and sc.sweep.qps:
         qps = max(sc.sweep.qps)
-    lines = [f"planning {sc.name} at {qps if qps is not None else 'the scenario'} QPS: "
-             f"SLO p90 TTFT <= {ttft_p90_ms:g} ms, p90 TPOT <= {tpot_p90_ms:g} ms",
+    lines = [(f"planning {sc.name} at {qps if qps is not None else 'the scenario'} QPS: "
+              f"SLO p90 TTFT <= {ttft_p90_ms:g} ms, p90 TPOT <= {tpot_p90_ms:g} ms"),
              f"{'GPUs':>4}  {'candidate':<20} {'TTFT p90':>9} {'TPOT p90':>9} {'margin':>7}"]
     jobs = jobs or (os.cpu_count() or 1)
     best: tuple[float, Candidate, int] | None = None

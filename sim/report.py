@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ def points_table(points: Sequence[dict[str, Any]]) -> str:
 
 
 def _num(x: float) -> str:
-    return "-" if x != x else f"{x:.1f}"
+    return "-" if math.isnan(x) else f"{x:.1f}"
 
 
 def comparison_table(summary: dict[str, Any]) -> str:

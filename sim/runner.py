@@ -91,7 +91,8 @@ def feed(sim: Simulation, batch: RequestBatch, block_size: int) -> Any:
         r = SimRequest(q.request_id, env.now, q.prompt_tokens, q.output_tokens,
                        conversation=q.conversation_id, turn=q.turn, hashes=hashes,
                        retained_hashes=retained)
-        r.on_done = lambda _r, nxt=followers.pop(q.rid, ()): finished(nxt)
+        nxt = followers.pop(q.rid, [])
+        r.on_done = lambda _r: finished(nxt)
         return r
 
     def finished(nxt: Any) -> None:

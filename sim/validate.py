@@ -168,11 +168,11 @@ def sensitivity(sc: Scenario, runs: Sequence[float | None] = (None, 9.0, 6.2, 4.
                 ) -> list[str]:
     """The high-load push/pull figures against decode-pool fragmentation, the one unknown
     they depend on most (the articles do not publish it)."""
-    lines = ["Sensitivity of the high-load predictions (8 QPS, 16k in) to decode-pool "
-             "fragmentation (mean contiguous run, blocks; the seed assumes "
-             f"{sc.engine.pool_run_blocks}):", "",
-             "| mean run | TTFT push | TTFT pull | pull/push | TPOT push | TPOT pull | "
-             "pull/push |", "|---|---|---|---|---|---|---|"]
+    lines = [("Sensitivity of the high-load predictions (8 QPS, 16k in) to decode-pool "
+              "fragmentation (mean contiguous run, blocks; the seed assumes "
+              f"{sc.engine.pool_run_blocks}):"), "",
+             ("| mean run | TTFT push | TTFT pull | pull/push | TPOT push | TPOT pull | "
+              "pull/push |"), "|---|---|---|---|---|---|---|"]
     for r in runs:
         engine = sc.engine.model_copy(update={"pool_run_blocks": r})
         pts = {p.mode: simulate(p, drain=False)[1]
@@ -215,6 +215,6 @@ def run_validation(jobs: int = 0) -> tuple[bool, str]:
         lines += [f"- {c.name}: {c.anchor_note}." for c in notes]
     lines += ["", *sensitivity(pp)]
     failed = [c for c in checks if not c.ok and not c.anchor_note]
-    lines += ["", f"{sum(c.ok for c in checks)} of {len(checks)} checks pass; "
-              f"{len(failed)} fail; {len(notes)} miss an inconsistent published anchor."]
+    lines += ["", (f"{sum(c.ok for c in checks)} of {len(checks)} checks pass; "
+                   f"{len(failed)} fail; {len(notes)} miss an inconsistent published anchor.")]
     return not failed, "\n".join(lines)

@@ -1,0 +1,490 @@
+"""Re-simulating a recorded run (its twin), and simulating a what-if, into the store.
+
+Rules kept here:
+- A twin replays the recorded *arrivals*, not the recorded decisions: every `RequestArrived`
+  (time, prompt and output tokens, conversation, tenant, turn) becomes a simulated request
+  with the same id, so a live run and its twin can be compared request by request.
+- First turns and single requests arrive open loop, at their recorded times (shifted so the
+  first arrival is at 0). A later turn of a conversation is closed loop, as in the runner: it
+  is released its recorded think time (its arrival minus the previous turn's recorded finish)
+  after the previous turn finishes *in the simulation*. A turn whose previous turn is not in
+  the recording arrives open loop.
+- Prompt content is described as the workload generators do: a conversation is one
+  append-only token stream, so turn k's prompt extends turn k-1's; a shared prefix comes from
+  the scenario's workload (`shared_prefix_fraction` or `shared_prefix_tokens`).
+- The scenario gives cluster, profiles, engine and connector. It is the one given, else the
+  one recorded with the run (`meta.scenario`), else the bundled scenario the run's name points
+  at (`<scenario>:<point label>`). Mode and bidirectional reuse follow the recording's
+  `RequestRouted` events unless the caller fixes them. `profiles` overrides model or hardware
+  profiles (each file says its `kind`).
+- The twin is stored as one run of kind `replay` whose parent is the original, with the
+  scenario it ran under (`meta.scenario`, self-contained) and its summary in `meta`.
+- A what-if is a scenario (usually a baseline's, with a few fields changed) run like the
+  runner runs it, one child run per sweep point under a sweep run of kind `sim` whose parent
+  is the baseline run, reporting progress as requests finish.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import update
+
+from kvplane.store import BatchingRecorder, EventStore, RunInfo, open_store, runs_table
+
+from .config import (
+    MultiTurnWorkload,
+    Point,
+    PoissonWorkload,
+    Scenario,
+    ScenarioError,
+    load_scenario,
+    scenario_from_data,
+)
+from .costs import SimCosts
+from .engine import SimRequest, Simulation
+from .metrics import summarize
+from .profiles import load_profile
+from .runner import engine_config
+from .workloads import FIRST_PRIVATE, SHARED_STREAM, Request, requests_for_point
+
+__all__ = [
+    "LABEL_RE",
+    "Progress",
+    "RecordedRequest",
+    "parse_label",
+    "recorded_requests",
+    "replay_into_sim",
+    "run_whatif",
+    "scenario_for_run",
+    "with_profiles",
+]
+
+#: `<mode>[_bidi][_qps<q>][_in<in>][_out<out>]_iter<i>`, the runner's point labels and the
+#: file names of `vllm bench serve` results.
+LABEL_RE = re.compile(
+    r"^(?P<mode>push|pull)(?P<bidi>_bidi)?(?:_qps(?P<qps>[0-9.eE+-]+|inf))?"
+    r"(?:_in(?P<input_len>\d+))?(?:_out(?P<output_len>\d+))?_iter(?P<iteration>\d+)$"
+)
+
+#: progress(done, total, what) while a simulation runs.
+Progress = Callable[[int, int, str], None]
+
+
+def parse_label(label: str) -> dict[str, Any] | None:
+    """The axes of a point label, or None when it is not one."""
+    m = LABEL_RE.match(label)
+    if m is None:
+        return None
+    return {
+        "mode": m["mode"],
+        "bidirectional": m["bidi"] is not None,
+        "qps": float(m["qps"]) if m["qps"] is not None else None,
+        "input_len": int(m["input_len"]) if m["input_len"] is not None else None,
+        "output_len": int(m["output_len"]) if m["output_len"] is not None else None,
+        "iteration": int(m["iteration"]),
+    }
+
+
+# --- the recording ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """One `RequestArrived`, with the recorded finish time when there is one."""
+
+    id: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    conversation: str | None
+    tenant: str
+    turn: int
+    finished: float | None
+
+
+def recorded_requests(store: EventStore, run_id: str) -> list[RecordedRequest]:
+    """Every request the run saw arrive, in arrival order (reads two event types only)."""
+    finished: dict[str, float] = {}
+    arrivals = []
+    for e in store.events(run_id, ["RequestArrived", "RequestFinished"]):
+        name = type(e).__name__
+        if name == "RequestFinished" and e.request is not None:
+            finished.setdefault(e.request, e.at)
+        elif name == "RequestArrived" and e.request is not None:
+            arrivals.append(e)
+    out = [
+        RecordedRequest(
+            id=e.request, arrival=e.at, prompt_tokens=e.prompt_tokens,  # type: ignore[attr-defined]
+            output_tokens=e.output_tokens, conversation=e.conversation,  # type: ignore[attr-defined]
+            tenant=e.tenant, turn=e.turn, finished=finished.get(e.request),  # type: ignore[attr-defined]
+        )
+        for e in arrivals
+    ]
+    out.sort(key=lambda r: (r.arrival, r.id))
+    return out
+
+
+def _recorded_routing(store: EventStore, run_id: str) -> tuple[str | None, bool | None]:
+    """The mode and reuse setting most requests of the run were routed with."""
+    modes: Counter[str] = Counter()
+    bidi: Counter[bool] = Counter()
+    for e in store.events(run_id, "RequestRouted"):
+        modes[e.mode] += 1  # type: ignore[attr-defined]
+        bidi[e.bidirectional] += 1  # type: ignore[attr-defined]
+    return (modes.most_common(1)[0][0] if modes else None,
+            bidi.most_common(1)[0][0] if bidi else None)
+
+
+# --- the scenario -----------------------------------------------------------------------------
+
+
+def with_profiles(scenario: Scenario, profiles: Iterable[str | Path]) -> Scenario:
+    """The scenario with model and/or hardware profiles replaced (each file names its kind)."""
+    data = scenario.model_dump(mode="json")
+    changed = False
+    for ref in profiles:
+        prof = load_profile(ref)
+        kind = "model" if type(prof).__name__ == "ModelProfile" else "hardware"
+        data["profiles"][kind] = prof.model_dump(mode="json")
+        changed = True
+    return scenario_from_data(data, file=f"{scenario.name} + profiles") if changed else scenario
+
+
+def _pick(sc: Scenario, label: str | None) -> Point:
+    points = sc.points()
+    if label is not None:
+        for p in points:
+            if p.label == label:
+                return p
+    return points[0]
+
+
+def scenario_for_run(store: EventStore, run: RunInfo) -> Scenario:
+    """The scenario a run was made under: recorded in `meta`, else named by the run.
+
+    Raises ScenarioError when neither says, naming the run and what to pass instead.
+    """
+    return _scenario_and_seed(store, run)[0]
+
+
+def _scenario_and_seed(store: EventStore, run: RunInfo) -> tuple[Scenario, int]:
+    """The run's scenario and the seed its point ran with (`meta.seed`, else the point's)."""
+    sc, seed = _find_scenario(store, run)
+    recorded = run.meta.get("seed") if isinstance(run.meta, dict) else None
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        seed = recorded
+    return sc, seed
+
+
+def _find_scenario(store: EventStore, run: RunInfo) -> tuple[Scenario, int]:
+    meta = run.meta if isinstance(run.meta, dict) else {}
+    if isinstance(meta.get("scenario"), dict):
+        sc = scenario_from_data(meta["scenario"], file=f"run {run.id} meta.scenario")
+        return sc, sc.seed
+    label = meta.get("point") or (run.scenario.rpartition(":")[2] if ":" in run.scenario
+                                  else None)
+    candidates = [meta.get("compare_with"), run.scenario.partition(":")[0]]
+    if run.parent is not None:
+        try:
+            parent = store.run(run.parent)
+        except Exception:  # noqa: BLE001 - a parent deleted meanwhile: use the run's own name
+            parent = None
+        if parent is not None and isinstance(parent.meta.get("scenario"), dict):
+            sc = scenario_from_data(parent.meta["scenario"], file=f"run {parent.id} meta.scenario")
+            p = _pick(sc, label)
+            return p.scenario, p.seed
+        if parent is not None:
+            candidates = [parent.meta.get("compare_with"), *candidates,
+                          parent.scenario.partition(":")[0]]
+    for cand in candidates:
+        if not isinstance(cand, str) or not cand:
+            continue
+        try:
+            sc = load_scenario(cand)
+        except ScenarioError:
+            continue
+        p = _pick(sc, label)
+        return p.scenario, p.seed
+    raise ScenarioError(f"run {run.id}", [(
+        "scenario",
+        ("a run recorded with its scenario, or one named after a bundled scenario or a "
+         "scenario file; pass one explicitly (--scenario NAME_OR_FILE)"),
+        repr(run.scenario), None,
+    )])
+
+
+# --- feeding recorded requests ------------------------------------------------------------------
+
+
+def _requests(recorded: Sequence[RecordedRequest], sc: Scenario
+              ) -> tuple[list[Request], list[str]]:
+    """Workload records (rid = position) for the recorded requests, and their original ids."""
+    t0 = recorded[0].arrival if recorded else 0.0
+    wl = sc.workload
+    conv_index: dict[tuple[str, str], int] = {}
+    last_turn: dict[tuple[str, str], tuple[int, float | None]] = {}
+    out: list[Request] = []
+    for rid, r in enumerate(recorded):
+        conversation = None
+        previous = None
+        think = 0.0
+        stream = FIRST_PRIVATE + rid
+        shared_stream, shared = 0, 0
+        if r.conversation is not None:
+            key = (r.tenant, r.conversation)
+            conversation = conv_index.setdefault(key, len(conv_index))
+            stream = FIRST_PRIVATE + len(recorded) + conversation
+            prev = last_turn.get(key)
+            if prev is not None and prev[1] is not None:
+                previous, think = prev[0], max(r.arrival - prev[1], 0.0)
+            last_turn[key] = (rid, r.finished)
+            if isinstance(wl, MultiTurnWorkload) and wl.shared_prefix_tokens:
+                shared_stream = SHARED_STREAM
+                shared = min(wl.shared_prefix_tokens, r.prompt_tokens)
+        elif isinstance(wl, PoissonWorkload) and wl.shared_prefix_fraction:
+            shared_stream = SHARED_STREAM
+            shared = int(r.prompt_tokens * wl.shared_prefix_fraction)
+        out.append(Request(
+            rid=rid, arrival=r.arrival - t0, prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens, conversation=conversation, turn=r.turn,
+            think_time=think, previous=previous, shared_stream=shared_stream,
+            shared_tokens=shared, stream=stream,
+        ))
+    return out, [r.id for r in recorded]
+
+
+def _feed(sim: Simulation, reqs: Sequence[Request], ids: Sequence[str], tenants: Sequence[str],
+          conversations: Sequence[str | None], block_size: int) -> Any:
+    """Release recorded requests: first turns open loop, later turns closed loop (runner.feed,
+    keeping the recorded ids, tenants and conversation names)."""
+    env = sim.env
+    all_done = env.event()
+    total = len(reqs)
+    followers: dict[int, list[Request]] = {}
+    firsts: list[Request] = []
+    for q in reqs:
+        if q.previous is None:
+            firsts.append(q)
+        else:
+            followers.setdefault(q.previous, []).append(q)
+
+    def make(q: Request) -> SimRequest:
+        retained = None
+        if q.conversation is not None:
+            whole = Request(q.rid, q.arrival, q.prompt_tokens + q.output_tokens, q.output_tokens,
+                            q.conversation, q.turn, q.think_time, q.previous, q.shared_stream,
+                            q.shared_tokens, q.stream)
+            retained = whole.block_hashes(block_size)
+        r = SimRequest(ids[q.rid], env.now, q.prompt_tokens, q.output_tokens,
+                       conversation=conversations[q.rid], tenant=tenants[q.rid], turn=q.turn,
+                       hashes=q.block_hashes(block_size), retained_hashes=retained)
+        nxt = followers.pop(q.rid, ())
+        r.on_done = lambda _r: finished(nxt)
+        return r
+
+    def finished(nxt: Any) -> None:
+        for n in nxt:
+            env.timeout(n.think_time).callbacks.append(lambda _, n=n: sim.submit(make(n)))
+        if len(sim.done) >= total and not all_done.triggered:
+            all_done.succeed()
+
+    def arrivals() -> Any:
+        for q in firsts:
+            if q.arrival > env.now:
+                yield env.timeout(q.arrival - env.now)
+            sim.submit(make(q))
+
+    env.process(arrivals())
+    return all_done
+
+
+def _run_until(sim: Simulation, done_event: Any, total: int, progress: Progress | None,
+               what: str) -> None:
+    """`env.run(until=done_event)`, reporting progress as requests finish."""
+    env = sim.env
+    if progress is None:
+        env.run(until=done_event)
+        return
+    last = -1
+    steps = 0
+    while not done_event.triggered:
+        if env.peek() == float("inf"):
+            break  # nothing left to happen: a stuck workload; summarize() says what finished
+        env.step()
+        steps += 1
+        if steps % 2000 == 0 and len(sim.done) != last:
+            last = len(sim.done)
+            progress(last, total, what)
+    progress(len(sim.done), total, what)
+
+
+def _summary(sim: Simulation, warmup: float, wall: float, simulated: float) -> dict[str, Any]:
+    stats = summarize(sim.done, warmup=warmup)
+    return {**_finite(stats), "finished": len(sim.done), "simulated_s": simulated,
+            "wall_s": wall}
+
+
+def _finite(value: Any) -> Any:
+    """JSON for run meta: NaN (no samples) becomes None."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+# --- the twin -------------------------------------------------------------------------------------
+
+
+def replay_into_sim(
+    db: str | EventStore | None,
+    run_id: str,
+    scenario: str | Path | Scenario | None = None,
+    *,
+    profiles: Sequence[str | Path] = (),
+    mode: str | None = None,
+    bidirectional: bool | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """Re-simulate a recorded run's arrivals; store the twin (kind `replay`, parent = the run).
+
+    Returns the new run's id. Raises `RunNotFound` for an unknown run, ScenarioError when no
+    scenario can be found or the run holds no `RequestArrived` event.
+    """
+    if isinstance(db, EventStore):
+        return _replay(db, run_id, scenario, profiles, mode, bidirectional, progress)
+    with open_store(db) as store:
+        return _replay(store, run_id, scenario, profiles, mode, bidirectional, progress)
+
+
+def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | None,
+            profiles: Sequence[str | Path], mode: str | None, bidirectional: bool | None,
+            progress: Progress | None) -> str:
+    run = store.run(run_id)
+    if scenario is None:
+        sc, seed = _scenario_and_seed(store, run)
+    elif isinstance(scenario, Scenario):
+        sc, seed = scenario, scenario.seed
+    else:
+        first = _pick(load_scenario(scenario), None)
+        sc, seed = first.scenario, first.seed
+    sc = with_profiles(sc, profiles)
+    recorded = recorded_requests(store, run_id)
+    if not recorded:
+        raise ScenarioError(f"run {run_id}", [(
+            "events", "a run with RequestArrived events to replay", "none", None)])
+    rec_mode, rec_bidi = _recorded_routing(store, run_id)
+    mode = mode or rec_mode or sc.connector.mode
+    bidi = bidirectional if bidirectional is not None else (
+        rec_bidi if rec_bidi is not None else sc.connector.bidirectional)
+    connector = sc.connector.model_copy(update={"mode": mode, "bidirectional": bidi})
+    sc = sc.model_copy(update={"connector": connector})
+    point = Point(index=0, mode=connector.mode, bidirectional=bidi, qps=None, input_len=None,
+                  output_len=None, iteration=0, seed=seed, scenario=sc)
+    reqs, ids = _requests(recorded, sc)
+    try:
+        costs = SimCosts.from_scenario(sc)
+    except ValueError as exc:  # the profiles do not fit together (a model too big, say)
+        raise ScenarioError(sc.name, [("profiles", "a model that fits the hardware", str(exc),
+                                       None)]) from None
+    cfg = engine_config(point, costs)
+    dump = sc.model_dump(mode="json")
+    twin = store.create_run("replay", f"twin of {run.scenario}", parent=run_id, meta={
+        "scenario": dump, "replay_of": run_id, "point": point.label, "seed": seed,
+        "requests": len(reqs), "profiles": [str(p) for p in profiles],
+    })
+    rec = BatchingRecorder(store, twin)
+    try:
+        sim = Simulation(cfg, costs, rec.record)
+        done = _feed(sim, reqs, ids, [r.tenant for r in recorded],
+                     [r.conversation for r in recorded], cfg.decode_layout.block_size)
+        wall = time.perf_counter()
+        _run_until(sim, done, len(reqs), progress, f"replaying {run_id[:8]}")
+        simulated = sim.env.now
+        sim.drain()
+        wall = time.perf_counter() - wall
+    finally:
+        rec.close()
+    _set_meta(store, twin, {"summary": _summary(sim, 0.0, wall, simulated)})
+    return twin
+
+
+def _set_meta(store: EventStore, run_id: str, extra: dict[str, Any]) -> None:
+    """Add keys to a run's meta after it ran (the store has no call for it: a plain UPDATE of
+    the run we created ourselves)."""
+    info = store.run(run_id)
+    meta = {**info.meta, **_finite(extra)}
+    with store.engine.begin() as conn:
+        conn.execute(update(runs_table).where(runs_table.c.id == run_id).values(meta=meta))
+
+
+# --- what-if --------------------------------------------------------------------------------------
+
+
+def run_whatif(
+    db: str | EventStore | None,
+    scenario: Scenario,
+    *,
+    baseline: str | None = None,
+    changes: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Simulate every point of `scenario` into the store under a sweep run whose parent is
+    `baseline` (a run id, or None); return {"run_id", "points": [summary with run_id]}."""
+    if isinstance(db, EventStore):
+        return _whatif(db, scenario, baseline, changes or {}, progress)
+    with open_store(db) as store:
+        return _whatif(store, scenario, baseline, changes or {}, progress)
+
+
+def _whatif(store: EventStore, sc: Scenario, baseline: str | None, changes: dict[str, Any],
+            progress: Progress | None) -> dict[str, Any]:
+    points = sc.points()
+    parent = store.create_run("sim", sc.name, parent=baseline, meta={
+        "points": len(points), "seed": sc.seed, "whatif": _finite(changes),
+        "scenario": sc.model_dump(mode="json"),
+    })
+    results = []
+    for i, point in enumerate(points):
+        run_id = store.create_run("sim", f"{sc.name}:{point.label}", parent=parent,
+                                  meta={"point": point.label, "seed": point.seed})
+        rec = BatchingRecorder(store, run_id)
+        try:
+            summary = _simulate_point(point, rec.record, progress,
+                                      f"point {i + 1}/{len(points)} {point.label}")
+        finally:
+            rec.close()
+        summary["run_id"] = run_id
+        _set_meta(store, run_id, {"summary": summary})
+        results.append(summary)
+    return {"run_id": parent, "scenario": sc.name, "points": results}
+
+
+def _simulate_point(point: Point, record: Callable[[Any], None], progress: Progress | None,
+                    what: str) -> dict[str, Any]:
+    """runner.simulate with progress reported while it runs."""
+    from .runner import feed
+
+    costs = SimCosts.from_scenario(point.scenario)
+    cfg = engine_config(point, costs)
+    sim = Simulation(cfg, costs, record)
+    batch = requests_for_point(point)
+    done = feed(sim, batch, cfg.decode_layout.block_size)
+    wall = time.perf_counter()
+    _run_until(sim, done, len(batch), progress, what)
+    simulated = sim.env.now
+    sim.drain()
+    wall = time.perf_counter() - wall
+    sc = point.scenario
+    warm = sc.warmup_requests / max(len(batch), 1)
+    return {"label": point.label, "mode": point.mode, "bidirectional": point.bidirectional,
+            "qps": point.qps, "input_len": point.input_len, "output_len": point.output_len,
+            **_summary(sim, warm, wall, simulated), "submitted": len(batch)}
