@@ -1,0 +1,214 @@
+"""What every page shares: the store, cached reads, the runs picked, scenario look-ups.
+
+Rules kept here:
+- The store URL is `--db URL` after `--` on the streamlit command line, else `$KVPLANE_DB`,
+  else the store's default (`./kvplane.db`), exactly as every `kvplane` command resolves it.
+- One engine per URL for the life of the server (`st.cache_resource`); query results are
+  cached per (URL, arguments) for `TTL_S` seconds, so a page switch or a widget change
+  re-queries nothing, while a run still being recorded shows up within a minute. The
+  "Refresh" button in the sidebar clears the caches.
+- The runs picked on the Runs page (one or two) are kept in `st.session_state["picked"]` (not
+  a widget key, so they survive page switches) and seed every other page's run selector; the
+  `run` and `run2` query parameters seed them from a link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+from sqlalchemy import Engine
+
+from kvplane.store import open_store, resolve_url
+
+from . import queries as q
+
+TTL_S = 60
+PICKED = "picked"
+
+
+def db_url() -> str:
+    """The store URL: `-- --db URL` on the command line, else $KVPLANE_DB, else the default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--db", default=None)
+    args, _ = parser.parse_known_args(sys.argv[1:])
+    return resolve_url(args.db).render_as_string(hide_password=False)
+
+
+@st.cache_resource(show_spinner=False)
+def engine(url: str) -> Engine:
+    # open_store creates or upgrades the schema as every kvplane command does (idempotent), so
+    # a fresh or older database reads as an empty store instead of an error; the dashboard
+    # itself only reads.
+    return open_store(url).engine
+
+
+def _e(url: str) -> Engine:
+    return engine(url)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def runs(url: str) -> pd.DataFrame:
+    return q.runs(_e(url))
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def children(url: str, run_id: str) -> pd.DataFrame:
+    return q.children(_e(url), run_id)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Reading the run's requests...")
+def request_index(url: str, run_id: str) -> pd.DataFrame:
+    return q.request_index(_e(url), run_id)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def request_table(url: str, run_id: str, requests: tuple[str, ...]) -> pd.DataFrame:
+    return q.request_table(_e(url), run_id, requests)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def request_events(url: str, run_id: str, requests: tuple[str, ...]) -> pd.DataFrame:
+    return q.request_events(_e(url), run_id, requests)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Reading finished requests...")
+def finished_requests(url: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    return q.finished_requests(_e(url), run_ids)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def reuse_outcomes(url: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    return q.reuse_outcomes(_e(url), run_ids)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def prefill_split(url: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
+    return q.prefill_split(_e(url), run_ids)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def lease_events(url: str, run_id: str) -> pd.DataFrame:
+    return q.lease_events(_e(url), run_id)
+
+
+def clear_caches() -> None:
+    for fn in (runs, children, request_index, request_table, request_events, finished_requests,
+               reuse_outcomes, prefill_split, lease_events, scenario_of):
+        fn.clear()
+
+
+# --- runs and labels ------------------------------------------------------------------------------
+
+
+def run_label(row: Any) -> str:
+    size = f"{int(row['requests'])} req" if row["requests"] else f"{int(row['children'])} points" \
+        if row["children"] else "empty"
+    return f"{row['scenario']} · {row['kind']} · {size} · {row['id'][:8]}"
+
+
+def labels(table: pd.DataFrame) -> dict[str, str]:
+    return {r["id"]: run_label(r) for r in table.to_dict("records")}
+
+
+def picked() -> list[str]:
+    """The runs picked on the Runs page (seeded from ?run=&run2= on first load)."""
+    if PICKED not in st.session_state:
+        qp = st.query_params
+        st.session_state[PICKED] = [v for v in (qp.get("run"), qp.get("run2")) if v]
+    return list(st.session_state[PICKED])
+
+
+def set_picked(ids: list[str]) -> None:
+    st.session_state[PICKED] = list(ids)
+
+
+def pick_run(label: str, table: pd.DataFrame, key: str, *, prefer: int = 0,
+             help: str | None = None) -> str | None:
+    """A run selector over `table`'s runs, defaulting to the `prefer`-th picked run."""
+    if table.empty:
+        return None
+    ids = list(table["id"])
+    names = labels(table)
+    chosen = picked()
+    default = chosen[prefer] if len(chosen) > prefer and chosen[prefer] in ids else None
+    if default is None and prefer > 0 and chosen and chosen[0] in ids and len(ids) > 1:
+        default = next(i for i in ids if i != chosen[0])
+    index = ids.index(default) if default in ids else 0
+    if key in st.session_state and st.session_state[key] not in ids:
+        del st.session_state[key]
+    return st.selectbox(label, ids, index=index, format_func=lambda i: names.get(i, i), key=key,
+                        help=help)
+
+
+def point_runs(table: pd.DataFrame) -> pd.DataFrame:
+    """Runs that hold requests (points, twins, imports with events)."""
+    return table[table["requests"] > 0]
+
+
+def preferring(table: pd.DataFrame, first: pd.Series) -> pd.DataFrame:
+    """`table` with the rows where `first` is true moved to the top (stable otherwise): a
+    page's selector then defaults to a run that has something to show there."""
+    return pd.concat([table[first], table[~first]])
+
+
+def sweep_runs(table: pd.DataFrame) -> pd.DataFrame:
+    """Runs with sweep points as children (sweeps, what-ifs, import directories)."""
+    return table[table["points"] > 0]
+
+
+# --- scenarios and published figures --------------------------------------------------------------
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
+    """The scenario (model_dump) a run was made under, or None when it cannot be told."""
+    from kvplane.sim.config import ScenarioError, load_scenario
+    from kvplane.sim.replay_sim import scenario_for_run
+    from kvplane.store import EventStore
+
+    store = EventStore(_e(url))
+    try:
+        info = store.run(run_id)
+    except Exception:  # noqa: BLE001 - deleted meanwhile
+        return None
+    compare = info.meta.get("compare_with") if isinstance(info.meta, dict) else None
+    if isinstance(compare, str):
+        try:
+            return load_scenario(compare).model_dump(mode="json")
+        except ScenarioError:
+            return None
+    try:
+        return scenario_for_run(store, info).model_dump(mode="json")
+    except (ScenarioError, ValueError):
+        return None
+
+
+def sweep_scenario(url: str, sweep_id: str) -> dict[str, Any] | None:
+    """The scenario of a sweep as recorded or named (with its `published:` section): the
+    sweep's own, else the bundled scenario its name or `compare_with` points at."""
+    from kvplane.sim.config import ScenarioError, load_scenario
+
+    table = runs(url)
+    row = table[table["id"] == sweep_id]
+    if row.empty:
+        return None
+    meta = row.iloc[0]["meta"] or {}
+    name = meta.get("compare_with") or str(row.iloc[0]["scenario"]).partition(":")[0]
+    if isinstance(meta.get("scenario"), dict) and meta["scenario"].get("published"):
+        return meta["scenario"]
+    try:
+        return load_scenario(name).model_dump(mode="json")
+    except ScenarioError:
+        return None
+
+
+def point_axes(scenario_name: str, meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """mode, bidirectional, qps, input_len, output_len, iteration of a point run."""
+    from kvplane.sim.replay_sim import parse_label
+
+    label = (meta or {}).get("point") or scenario_name.rpartition(":")[2]
+    return parse_label(str(label))

@@ -1,0 +1,406 @@
+"""The dashboard's reads: aggregate SQL over the store, returned as small pandas frames.
+
+Rules kept here:
+- Read only. Every function takes an `Engine` (from `EventStore.engine`) and run ids, and
+  issues plain SQLAlchemy Core against `runs_table` and `events_table`, so it runs alike on
+  SQLite and PostgreSQL.
+- The database does the heavy lifting: a query filters on (run, type) or (run, request), the
+  store's two indexes, and folds events into one row per request (or per run) with
+  `GROUP BY` and `MIN(CASE ...)`. What comes back is sized by requests, never by events, and
+  the per-event read (`request_events`) is for a handful of requests at a time. Percentiles
+  are computed here in pandas from one value per request (SQLite has no percentile function).
+- Payload fields are read with the JSON operators SQLAlchemy renders for each backend
+  (`payload["ttft"].as_float()`), and only inside a `CASE` on the row's type, so a field is
+  only ever extracted from rows that have it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine, and_, case, func, select
+
+from kvplane.store import events_table, runs_table
+
+E = events_table
+R = runs_table
+
+#: Milestones of one request, in the order they normally happen: (column, event type,
+#: extra condition on the row or None).
+_DIRECTION = E.c.payload["direction"].as_string()
+MILESTONES: tuple[tuple[str, str, Any], ...] = (
+    ("arrived", "RequestArrived", None),
+    ("routed", "RequestRouted", None),
+    ("read_planned", "TransferPlanned", _DIRECTION == "D->P"),
+    ("read_done", "TransferCompleted", _DIRECTION == "D->P"),
+    ("prefill_started", "PrefillStarted", None),
+    ("prefill_finished", "PrefillFinished", None),
+    ("registration_sent", "RegistrationSent", None),
+    ("registration_arrived", "RegistrationArrived", None),
+    ("matched", "RendezvousMatched", None),
+    ("transfer_planned", "TransferPlanned", _DIRECTION == "P->D"),
+    ("transfer_done", "TransferCompleted", _DIRECTION == "P->D"),
+    ("kv_received", "KVReceived", None),
+    ("first_token", "FirstTokenEmitted", None),
+    ("finished", "RequestFinished", None),
+)
+
+#: The Gantt phases: (name, start milestone(s), end milestone(s)); the first milestone of a
+#: list that the request has is used.
+PHASES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("queue", ("arrived",), ("read_planned", "prefill_started")),
+    ("reuse read (D->P)", ("read_planned",), ("read_done",)),
+    ("prefill", ("prefill_started",), ("prefill_finished",)),
+    ("registration wait", ("prefill_finished",), ("registration_arrived",)),
+    ("rendezvous", ("prefill_finished",), ("transfer_planned",)),
+    ("transfer (P->D)", ("transfer_planned",), ("kv_received", "transfer_done")),
+    ("first decode step", ("kv_received",), ("first_token",)),
+    ("decode", ("first_token",), ("finished",)),
+)
+
+
+def _fetch(engine: Engine, stmt: Any) -> pd.DataFrame:
+    with engine.connect() as conn:
+        result = conn.execute(stmt)
+        return pd.DataFrame(result.fetchall(), columns=list(result.keys()))
+
+
+def _when(type_name: str, value: Any, extra: Any = None) -> Any:
+    cond = E.c.type == type_name if extra is None else and_(E.c.type == type_name, extra)
+    return case((cond, value))
+
+
+# --- runs -----------------------------------------------------------------------------------------
+
+
+def runs(engine: Engine) -> pd.DataFrame:
+    """Every run with its size and headline figures, newest first.
+
+    Columns: id, kind, scenario, started, parent, meta, events, requests, finished, failed,
+    ttft_ms, tpot_ms, e2e_ms (means over finished requests), children, points (children of
+    kind sim or import: sweep points), leases (granted), reuse_decisions.
+    """
+    base = _fetch(engine, select(R.c.id, R.c.kind, R.c.scenario, R.c.started, R.c.parent,
+                                 R.c.meta).order_by(R.c.started.desc(), R.c.id))
+    if base.empty:
+        return base.assign(events=[], requests=[], finished=[], failed=[], ttft_ms=[],
+                           tpot_ms=[], e2e_ms=[], children=[], points=[], leases=[],
+                           reuse_decisions=[])
+    sizes = _fetch(engine, select(E.c.run.label("id"), func.count().label("events"))
+                   .group_by(E.c.run))
+    ok = E.c.payload["ok"].as_boolean()
+    heads = _fetch(engine, select(
+        E.c.run.label("id"),
+        func.count().label("finished"),
+        func.sum(case((ok.is_(False), 1), else_=0)).label("failed"),
+        (func.avg(E.c.payload["ttft"].as_float()) * 1e3).label("ttft_ms"),
+        (func.avg(E.c.payload["tpot"].as_float()) * 1e3).label("tpot_ms"),
+        (func.avg(E.c.payload["e2e"].as_float()) * 1e3).label("e2e_ms"),
+    ).where(E.c.type == "RequestFinished").group_by(E.c.run))
+    arrived = _fetch(engine, select(E.c.run.label("id"), func.count().label("requests"))
+                     .where(E.c.type == "RequestArrived").group_by(E.c.run))
+    kids = _fetch(engine, select(
+        R.c.parent.label("id"), func.count().label("children"),
+        func.sum(case((R.c.kind.in_(["sim", "import"]), 1), else_=0)).label("points"),
+    ).where(R.c.parent.is_not(None)).group_by(R.c.parent))
+    lease_count = case((E.c.type == "LeaseGranted", 1), else_=0)
+    reuse_count = case((E.c.type == "ReuseDecided", 1), else_=0)
+    marks = _fetch(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
+                                  func.sum(reuse_count).label("reuse_decisions"))
+                   .where(E.c.type.in_(["LeaseGranted", "ReuseDecided"])).group_by(E.c.run))
+    out = base
+    for extra in (sizes, arrived, heads, kids, marks):
+        out = out.merge(extra, on="id", how="left")
+    for col in ("events", "requests", "finished", "failed", "children", "points", "leases",
+                "reuse_decisions"):
+        out[col] = out[col].fillna(0).astype(int)
+    # imported summaries without per-request events: headline figures from meta.summary
+    for i, meta in enumerate(out["meta"]):
+        summary = meta.get("summary") if isinstance(meta, dict) else None
+        if isinstance(summary, dict) and out.at[i, "finished"] == 0:
+            out.at[i, "ttft_ms"] = _mean_of(summary, "ttft")
+            out.at[i, "tpot_ms"] = _mean_of(summary, "tpot")
+            out.at[i, "e2e_ms"] = _mean_of(summary, "e2el") or _mean_of(summary, "e2e")
+            out.at[i, "finished"] = int(summary.get("completed") or summary.get("finished") or 0)
+    return out
+
+
+def _mean_of(summary: dict[str, Any], metric: str) -> float | None:
+    v = summary.get(f"mean_{metric}_ms")
+    if v is None and isinstance(summary.get(f"{metric}_ms"), dict):
+        v = summary[f"{metric}_ms"].get("mean")
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def children(engine: Engine, run_id: str) -> pd.DataFrame:
+    """The child runs of a run (sweep points, twins, what-ifs): id, kind, scenario, meta."""
+    return _fetch(engine, select(R.c.id, R.c.kind, R.c.scenario, R.c.started, R.c.meta)
+                  .where(R.c.parent == run_id).order_by(R.c.started, R.c.id))
+
+
+# --- requests -------------------------------------------------------------------------------------
+
+
+def request_index(engine: Engine, run_id: str) -> pd.DataFrame:
+    """One light row per request of a run, to filter and sort on: request, arrived,
+    prefill_started, prompt_tokens, output_tokens, mode, prefill, decode, ttft, tpot, e2e, ok.
+
+    Reads four event types (a few rows per request, index (run, type)), never the whole run.
+    """
+    p = E.c.payload
+    df = _fetch(engine, select(
+        E.c.request,
+        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
+        func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
+        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
+        func.max(_when("RequestArrived", p["output_tokens"].as_integer())).label("output_tokens"),
+        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
+        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
+        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
+        func.min(_when("RequestFinished", E.c.time)).label("finished"),
+        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
+        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
+        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
+        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
+                 ).label("ok"),
+    ).where(E.c.run == run_id, E.c.request.is_not(None),
+            E.c.type.in_(["RequestArrived", "PrefillStarted", "RequestRouted",
+                          "RequestFinished"]))
+        .group_by(E.c.request))
+    if df.empty:
+        return df
+    df["ok"] = df["ok"].fillna(0).astype(int).astype(bool) & df["finished"].notna()
+    df["prompt_tokens"] = df["prompt_tokens"].fillna(0).astype(int)
+    return df
+
+
+_MILESTONE_TYPES = sorted({t for _, t, _ in MILESTONES} | {"PrefillStarted"})
+
+
+def request_table(engine: Engine, run_id: str, requests: Sequence[str] | None = None
+                  ) -> pd.DataFrame:
+    """One row per request (of the run, or only `requests`): the time of every milestone
+    (first occurrence), prompt and output tokens, the instances it was routed to, mode,
+    cached tokens, TTFT/E2E and ok.
+
+    One `GROUP BY request` over the milestone rows (index (run, request) when `requests` is
+    given: the timeline asks for a page of requests at a time).
+    """
+    cols: list[Any] = [E.c.request]
+    for name, type_name, extra in MILESTONES:
+        cols.append(func.min(_when(type_name, E.c.time, extra)).label(name))
+    p = E.c.payload
+    cols += [
+        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
+        func.max(_when("RequestArrived", p["output_tokens"].as_integer())).label("output_tokens"),
+        func.max(_when("RequestArrived", p["turn"].as_integer())).label("turn"),
+        func.max(_when("RequestArrived", p["conversation"].as_string())).label("conversation"),
+        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
+        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
+        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
+        func.max(_when("PrefillStarted", p["cached_tokens"].as_integer())).label("cached_tokens"),
+        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
+        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
+        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
+        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
+                 ).label("ok"),
+    ]
+    stmt = select(*cols).where(E.c.run == run_id, E.c.request.is_not(None),
+                               E.c.type.in_(_MILESTONE_TYPES))
+    if requests is not None:
+        stmt = stmt.where(E.c.request.in_(list(requests)))
+    df = _fetch(engine, stmt.group_by(E.c.request))
+    if df.empty:
+        return df
+    df["ttft"] = df["ttft"].fillna(df["first_token"] - df["arrived"])
+    df["e2e"] = df["e2e"].fillna(df["finished"] - df["arrived"])
+    df["ok"] = df["ok"].fillna(0).astype(int).astype(bool) & df["finished"].notna()
+    return df
+
+
+def phases(requests: pd.DataFrame) -> pd.DataFrame:
+    """Gantt segments from `request_table` rows: request, phase, start, end (run time, s).
+
+    A phase is drawn when the request has both ends and they are in order; registration wait
+    only when the registration came after prefill finished (push, prefill first)."""
+    rows = []
+    for rec in requests.to_dict("records"):
+        for name, starts, ends in PHASES:
+            start = _first(rec, starts)
+            end = _first(rec, ends)
+            if name == "rendezvous":
+                reg = _num(rec.get("registration_arrived"))
+                if start is not None and reg is not None and reg > start:
+                    start = reg
+            if start is None or end is None or end < start:
+                continue
+            if name in ("queue", "registration wait") and end == start:
+                continue
+            rows.append({"request": rec["request"], "phase": name, "start": start, "end": end})
+    return pd.DataFrame(rows, columns=["request", "phase", "start", "end"])
+
+
+def _num(v: Any) -> float | None:
+    return None if v is None or pd.isna(v) else float(v)
+
+
+def _first(rec: dict[str, Any], names: Sequence[str]) -> float | None:
+    for n in names:
+        v = _num(rec.get(n))
+        if v is not None:
+            return v
+    return None
+
+
+def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.DataFrame:
+    """Every event of the given requests (a page of the timeline): seq, time, type, request,
+    instance, payload."""
+    if not requests:
+        return pd.DataFrame(columns=["seq", "time", "type", "request", "instance", "payload"])
+    # Sorted here, not by ORDER BY seq: that would steer SQLite to the (run, seq) key and a
+    # scan of the whole run instead of the (run, request) index.
+    df = _fetch(engine, select(E.c.seq, E.c.time, E.c.type, E.c.request, E.c.instance,
+                               E.c.payload)
+                .where(E.c.run == run_id, E.c.request.in_(list(requests))))
+    return df.sort_values("seq", kind="stable").reset_index(drop=True)
+
+
+def finished_requests(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Per finished request of the runs: run, request, arrived, prompt_tokens, output_tokens,
+    ttft, tpot, e2e (s), ok, bidirectional, mode. Two event types, grouped by (run, request)."""
+    if not run_ids:
+        return pd.DataFrame(columns=["run", "request", "arrived", "prompt_tokens",
+                                     "output_tokens", "ttft", "tpot", "e2e", "ok"])
+    p = E.c.payload
+    stmt = select(
+        E.c.run, E.c.request,
+        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
+        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
+        func.max(_when("RequestFinished", p["output_tokens"].as_integer())).label("output_tokens"),
+        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
+        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
+        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
+        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
+                 ).label("ok"),
+        func.max(_when("RequestRouted", case((p["bidirectional"].as_boolean().is_(True), 1),
+                                             else_=0))).label("bidirectional"),
+        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
+    ).where(E.c.run.in_(list(run_ids)),
+            E.c.type.in_(["RequestArrived", "RequestFinished", "RequestRouted"])
+            ).group_by(E.c.run, E.c.request)
+    df = _fetch(engine, stmt)
+    if df.empty:
+        return df
+    df = df[df["e2e"].notna()].copy()
+    df["ok"] = df["ok"].fillna(1).astype(int).astype(bool)
+    df["arrived"] = df["arrived"].fillna(0.0)
+    return df.reset_index(drop=True)
+
+
+def stats(values: pd.Series) -> dict[str, float]:
+    """mean, p50, p90, p99 of a series in seconds, as milliseconds (NaN when empty)."""
+    v = pd.to_numeric(values, errors="coerce").dropna() * 1e3
+    if v.empty:
+        return {"n": 0, "mean": float("nan"), "p50": float("nan"), "p90": float("nan"),
+                "p99": float("nan")}
+    return {"n": int(v.size), "mean": float(v.mean()), "p50": float(v.quantile(0.5)),
+            "p90": float(v.quantile(0.9)), "p99": float(v.quantile(0.99))}
+
+
+# --- reuse ----------------------------------------------------------------------------------------
+
+
+def reuse_outcomes(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
+    """How reuse went, per run: run, what, count. `what` is a ReuseDecided outcome (read,
+    recompute, miss, mismatch, expired, refused), `read refused`, `lease expired`,
+    `session missed`."""
+    if not run_ids:
+        return pd.DataFrame(columns=["run", "what", "count"])
+    outcome = E.c.payload["outcome"].as_string()
+    decided = _fetch(engine, select(E.c.run, outcome.label("what"), func.count().label("count"))
+                     .where(E.c.run.in_(list(run_ids)), E.c.type == "ReuseDecided")
+                     .group_by(E.c.run, outcome))
+    other = _fetch(engine, select(E.c.run, E.c.type.label("what"), func.count().label("count"))
+                   .where(E.c.run.in_(list(run_ids)),
+                          E.c.type.in_(["ReadRefused", "LeaseExpired", "SessionMissed"]))
+                   .group_by(E.c.run, E.c.type))
+    other["what"] = other["what"].map({"ReadRefused": "read refused",
+                                       "LeaseExpired": "lease expired",
+                                       "SessionMissed": "session missed"})
+    return pd.concat([decided, other], ignore_index=True)
+
+
+def prefill_split(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
+    """Per request: run, request, prompt_tokens, ttft, recompute (prefill compute, s), read
+    (D->P reuse read, s; 0 when none), cached_tokens, outcome, bidirectional."""
+    if not run_ids:
+        return pd.DataFrame(columns=["run", "request", "prompt_tokens", "ttft", "recompute",
+                                     "read", "cached_tokens", "outcome", "bidirectional"])
+    p = E.c.payload
+    stmt = select(
+        E.c.run, E.c.request,
+        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
+        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
+        func.min(_when("PrefillStarted", E.c.time)).label("ps"),
+        func.min(_when("PrefillFinished", E.c.time)).label("pf"),
+        func.min(_when("TransferPlanned", E.c.time, _DIRECTION == "D->P")).label("rp"),
+        func.min(_when("TransferCompleted", E.c.time, _DIRECTION == "D->P")).label("rd"),
+        func.max(_when("PrefillStarted", p["cached_tokens"].as_integer())).label("cached_tokens"),
+        func.max(_when("ReuseDecided", p["outcome"].as_string())).label("outcome"),
+        func.max(_when("RequestRouted", case((p["bidirectional"].as_boolean().is_(True), 1),
+                                             else_=0))).label("bidirectional"),
+    ).where(E.c.run.in_(list(run_ids)), E.c.type.in_([
+        "RequestArrived", "RequestFinished", "PrefillStarted", "PrefillFinished",
+        "TransferPlanned", "TransferCompleted", "ReuseDecided", "RequestRouted",
+    ])).group_by(E.c.run, E.c.request)
+    df = _fetch(engine, stmt)
+    if df.empty:
+        return df
+    df["recompute"] = df["pf"] - df["ps"]
+    df["read"] = (df["rd"] - df["rp"]).fillna(0.0)
+    return df.drop(columns=["ps", "pf", "rp", "rd"])
+
+
+# --- leases ---------------------------------------------------------------------------------------
+
+
+def lease_events(engine: Engine, run_id: str) -> pd.DataFrame:
+    """Every lease event of a run: time, type, instance, lease, blocks (grants only), purpose,
+    expires_at. Lease events are a few per request, so this is sized by requests."""
+    p = E.c.payload
+    df = _fetch(engine, select(
+        E.c.seq, E.c.time, E.c.type, E.c.instance, E.c.request,
+        p["lease"].as_string().label("lease"),
+        case((E.c.type == "LeaseGranted", func.json_array_length(p["blocks"])),
+             else_=None).label("blocks"),
+        case((E.c.type == "LeaseGranted", p["purpose"].as_string()), else_=None).label("purpose"),
+        case((E.c.type.in_(["LeaseGranted", "LeaseRenewed"]), p["expires_at"].as_float()),
+             else_=None).label("expires_at"),
+    ).where(E.c.run == run_id, E.c.type.in_([
+        "LeaseGranted", "LeaseRenewed", "LeaseExpired", "LeaseReleased", "LeaseRenewalRefused",
+        "ReadRefused",
+    ])))
+    return df.sort_values(["time", "seq"], kind="stable").reset_index(drop=True)
+
+
+def retained_blocks(leases: pd.DataFrame, purpose: str = "retained") -> pd.DataFrame:
+    """Blocks held under leases of `purpose` over time, per instance: time, instance, blocks.
+
+    A grant adds its blocks on its instance; the lease's expiry or release takes them back."""
+    if leases.empty:
+        return pd.DataFrame(columns=["time", "instance", "blocks"])
+    grants = leases[(leases["type"] == "LeaseGranted") & (leases["purpose"] == purpose)]
+    size = dict(zip(grants["lease"], grants["blocks"].astype(int), strict=True))
+    where = dict(zip(grants["lease"], grants["instance"], strict=True))
+    ends = leases[leases["type"].isin(["LeaseExpired", "LeaseReleased"])
+                  & leases["lease"].isin(size)].drop_duplicates("lease")
+    delta = pd.concat([
+        pd.DataFrame({"time": grants["time"], "instance": grants["instance"],
+                      "delta": grants["blocks"].astype(int)}),
+        pd.DataFrame({"time": ends["time"], "instance": ends["lease"].map(where),
+                      "delta": -ends["lease"].map(size)}),
+    ], ignore_index=True).sort_values("time", kind="stable")
+    delta["blocks"] = delta.groupby("instance")["delta"].cumsum()
+    return delta[["time", "instance", "blocks"]].reset_index(drop=True)

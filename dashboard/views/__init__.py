@@ -1,0 +1,11 @@
+"""The dashboard's pages: each module has `TITLE`, `SLUG` and `render(url, runs_table)`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import leases, push_pull, reuse, runs, timeline, twin, whatif
+
+PAGES: dict[str, ModuleType] = {
+    m.TITLE: m for m in (runs, timeline, push_pull, reuse, leases, twin, whatif)
+}

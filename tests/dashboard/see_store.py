@@ -1,0 +1,59 @@
+"""The store the dashboard tests run on, built from real runs (see `build_store`).
+
+Imported by tests/dashboard/conftest.py and by tests/e2e/test_dashboard_browser.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+
+
+def build_store(target: Path | str) -> SimpleNamespace:
+    """Record into a new store (a SQLite file at `target`, or a database URL):
+
+    - a simulated push/pull sweep (seed_push_vs_pull's profiles, qps 1 and 4, input 1024 and
+      4096, 12 requests a point, 2 of them warm-up), recorded by the runner;
+    - a simulated reuse sweep (seed_bidirectional, reuse off and on, the first 27 turns
+      of its conversations), whose reuse-on point holds retained-KV leases;
+    - a live-like recording: the `vllm bench serve` results in tests/data/vllm_bench,
+      imported as a sweep (kind import) that says it reproduces seed_push_vs_pull;
+    - a simulated twin of one imported point (kind replay, parent = that point).
+
+    Returns the URL, the path and the run ids the tests use.
+    """
+    from kvplane.sim.config import load_scenario
+    from kvplane.sim.imports import import_vllm_bench
+    from kvplane.sim.replay_sim import replay_into_sim
+    from kvplane.sim.runner import run_scenario
+    from kvplane.store import open_store
+
+    url = target if isinstance(target, str) else f"sqlite:///{target}"
+    path = None if isinstance(target, str) else target
+    pp = load_scenario("seed_push_vs_pull")
+    pp = pp.model_copy(update={
+        "requests": 10, "warmup_requests": 2,
+        "sweep": pp.sweep.model_copy(update={"qps": [1, 4], "input_lens": [1024, 4096]}),
+    })
+    push_pull = run_scenario(pp, db=url, jobs=1, progress=False)
+    bidi = load_scenario("seed_bidirectional").model_copy(update={"requests": 27})
+    reuse = run_scenario(bidi, db=url, jobs=1, progress=False)
+    imported = import_vllm_bench(url, DATA / "vllm_bench", scenario="seed_push_vs_pull")
+    measured = next(p["run_id"] for p in imported["points"]
+                    if p["label"] == "push_qps4_in4096_out128_iter0")
+    twin = replay_into_sim(url, measured)
+    by_label = {p["label"]: p["run_id"] for p in push_pull["points"]}
+    reuse_on = next(p["run_id"] for p in reuse["points"] if p["bidirectional"])
+    reuse_off = next(p["run_id"] for p in reuse["points"] if not p["bidirectional"])
+    with open_store(url) as store:
+        runs = len(store.runs())
+    return SimpleNamespace(
+        url=url, path=path, runs=runs,
+        sweep=push_pull["run_id"], push_point=by_label["push_qps4_in4096_out128_iter0"],
+        pull_point=by_label["pull_qps4_in4096_out128_iter0"],
+        reuse_sweep=reuse["run_id"], reuse_on=reuse_on, reuse_off=reuse_off,
+        import_sweep=imported["run_id"], measured=measured, twin=twin,
+    )
