@@ -58,11 +58,10 @@ def dashboard(
            "--server.port", str(port), "--server.address", host,
            "--server.headless", "false" if open_browser else "true",
            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-           "--global.developmentMode", "false", "--client.toolbarMode", "viewer",
-           "--", "--db", url]
+           "--global.developmentMode", "false", "--client.toolbarMode", "viewer"]
     typer.echo(f"kvplane dashboard on http://{host}:{port}  (store: "
                f"{resolve_url(db).render_as_string(hide_password=True)})")
-    env = {**os.environ, "KVPLANE_DB": url}
+    env = {**os.environ, "KVPLANE_DB": url}  # not on the command line: ps would show a password
     try:
         raise typer.Exit(subprocess.call(cmd, env=env))
     except KeyboardInterrupt:
