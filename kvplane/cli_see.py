@@ -8,7 +8,6 @@ imports its room lazily, so `kvplane --help` stays fast; the store is `--db URL`
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -62,10 +61,9 @@ def dashboard(
     typer.echo(f"kvplane dashboard on http://{host}:{port}  (store: "
                f"{resolve_url(db).render_as_string(hide_password=True)})")
     env = {**os.environ, "KVPLANE_DB": url}  # not on the command line: ps would show a password
-    try:
-        raise typer.Exit(subprocess.call(cmd, env=env))
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+    sys.stdout.flush()
+    # Become the server (no child left behind when this process is stopped or killed).
+    os.execve(sys.executable, cmd, env)
 
 
 def twin(

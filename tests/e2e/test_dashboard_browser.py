@@ -9,6 +9,7 @@ them the test FAILS saying so, it is never skipped.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
     cmd = [*_dashboard_command(), "--db", store.url, "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
@@ -77,12 +79,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
                 pytest.fail(f"the dashboard did not come up in 90 s:\n{log.read_text()}")
             time.sleep(0.5)
         yield SimpleNamespace(url=url, store=store, log=log)
-    finally:
-        proc.terminate()
+    finally:  # the whole process group: the server and anything it started
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
