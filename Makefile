@@ -9,7 +9,7 @@ EXTRAS ?= sim,postgres,dashboard,live,dev
 STAMP  := $(VENV)/.installed-kvplane
 LIVE   := $(VENV)/.installed-live
 
-.PHONY: demo test setup setup-live system-deps lint clean
+.PHONY: demo test setup setup-live browser-deps system-deps lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ $(LIVE): scripts/install_live.sh | $(PY)
 
 setup-live: $(LIVE) $(STAMP)
 
+# Debian's Chromium and the Playwright driver, for the dashboard's browser test.
+browser-deps: $(STAMP)
+	bash scripts/install_browser.sh $(VENV)
+
 # Debian's PostgreSQL server for the store's contract tests (tests/conftest.py starts and stops it).
 system-deps:
 	@bash scripts/system_deps.sh
@@ -35,7 +39,7 @@ system-deps:
 demo: setup
 	$(VENV)/bin/kvplane demo
 
-test: system-deps setup-live
+test: system-deps setup-live browser-deps
 	$(PY) -m pytest -q
 
 lint: setup

@@ -132,6 +132,14 @@ def replay(
     db: DbOpt = None,
     final: Annotated[bool, typer.Option(help="Also require the run to be quiescent: no "
                                         "leaked blocks, no transfer left in flight.")] = True,
+    into: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        "--into", help="`sim`: re-simulate the run's arrivals and conversations instead, as a "
+        "new run linked to it (the twin the dashboard compares).")] = None,
+    scenario: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        help="With --into sim: the scenario (cluster, profiles, connector) to simulate under.")
+    ] = None,
+    profile: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        help="With --into sim: a model or hardware profile to use instead.")] = None,
 ) -> None:
     """Rebuild a run's state through the core and check every invariant.
 
@@ -139,6 +147,20 @@ def replay(
     """
     from kvplane.core.replay import replay as do_replay
     from kvplane.store import RunNotFound, open_store
+
+    if into is not None:
+        if into != "sim":
+            _fail(f"--into takes `sim`, not {into!r}")
+        from kvplane.sim.config import ScenarioError
+        from kvplane.sim.replay_sim import replay_into_sim
+
+        try:
+            new = replay_into_sim(db, run, scenario, profiles=tuple(profile or ()))
+        except (RunNotFound, ScenarioError) as exc:
+            _fail(str(exc))
+            return
+        typer.echo(f"twin of {run} recorded as run {new}")
+        return
 
     with open_store(db) as store:
         all_runs = store.runs()
@@ -214,13 +236,15 @@ def demo(db: DbOpt = None) -> None:
     typer.echo(comparison_table(summary))
     typer.echo(f"\nrun {summary['run_id']} recorded in {summary['db']}")
     typer.echo(f"check it:  kvplane replay {summary['run_id']}")
+    typer.echo("look at it: kvplane dashboard    (then open http://127.0.0.1:8501)")
 
 
 def _register_rooms() -> None:
     """Commands whose rooms keep their own CLI modules (imports inside stay lazy)."""
-    from kvplane import cli_live
+    from kvplane import cli_live, cli_see
 
     cli_live.register(app)
+    cli_see.register(app)
 
 
 _register_rooms()

@@ -167,8 +167,6 @@ def _run_point(args: tuple[Point, str | None, str | None]) -> dict[str, Any]:
         finally:
             rec.close()
         summary["run_id"] = run_id
-        store_meta = {"summary": summary}
-        _ = store_meta
     return summary
 
 
@@ -186,8 +184,9 @@ def run_scenario(scenario: str | Scenario, *, db: str | None = None, seed: int |
 
         with open_store(db) as store:
             url = store.url
-            parent = store.create_run("sim", sc.name, meta={"points": len(points),
-                                                            "seed": sc.seed})
+            parent = store.create_run("sim", sc.name, meta={
+                "points": len(points), "seed": sc.seed,
+                "scenario": sc.model_dump(mode="json")})
     work = [(p, url if record else None, parent) for p in points]
     jobs = jobs or min(len(points), os.cpu_count() or 1)
     results: list[dict[str, Any]] = []
