@@ -189,7 +189,6 @@ def _build() -> dict[str, Any]:
             if isinstance(meta, KvplaneWorkerMeta):
                 for fact in meta.facts:
                     self.sched.on_fact(fact)
-            self.sched.drain()
 
         def on_new_request(self, request: Any) -> None:
             if self.sched is not None:

@@ -26,9 +26,9 @@ size on both sides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -113,17 +113,16 @@ class Req:
         return (self.leg.role, self.leg.xfer, self.attempt)
 
 
-@dataclass(slots=True)
-class _Control:
-    """A lease renewal or release asked for on the side channel, done on the engine thread."""
+def _locked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a method under the half's lock: the engine thread and the side channel's threads
+    (facts posted by the workers, lease requests from the router) share the cores."""
 
-    kind: str  # "renew" | "release"
-    lease: str
-    reply: bytes | None = None
-    done: threading.Event = field(default_factory=threading.Event)
+    @functools.wraps(fn)
+    def wrapper(self: SchedulerHalf, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kwargs)
 
-
-CONTROL_WAIT = 3.0  # seconds a side-channel control request waits for the engine thread
+    return wrapper
 
 
 class SchedulerHalf:
@@ -148,10 +147,11 @@ class SchedulerHalf:
         self.retained_of: dict[tuple[str, int], Retained] = {}  # prefill: the handle being read
         self.pending = KvplaneMeta()
         self._last_tick = 0.0
-        # Facts the workers post straight to this process (see sidechannel.FactSender): they
-        # are applied on the engine thread, at the start of every hook, not a step later.
-        self.inbox: queue.SimpleQueue[Fact] = queue.SimpleQueue()
-        self.controls: queue.SimpleQueue[_Control] = queue.SimpleQueue()
+        # Facts the workers post straight to this process (see sidechannel.FactSender) and lease
+        # requests from the router are applied on the side channel's threads as they come, so
+        # an arrival is recorded when it happens even while the engine loop sleeps; the lock
+        # keeps them and the engine thread's hooks apart.
+        self._lock = threading.RLock()
         self.published: dict[str, Retained] = {}  # retained lease -> its handle
         self.side_channel = SideChannelServer(cfg.side_channel_host, cfg.side_channel_port,
                                               on_post=self._posted,
@@ -160,6 +160,7 @@ class SchedulerHalf:
 
     # ---- start-up ------------------------------------------------------------------------
 
+    @_locked
     def set_handshakes(self, infos: dict[int, bytes]) -> None:
         """The workers' transport handshakes: serve them (and our identity) on the side
         channel."""
@@ -183,32 +184,13 @@ class SchedulerHalf:
             logger.info("kvplane %s: side channel on %s:%d", self.me.instance,
                         self.side_channel.host, self.side_channel.port)
 
-    def _posted(self, data: bytes) -> None:  # the side channel's thread
+    def _posted(self, data: bytes) -> None:  # a side channel thread
         try:
-            self.inbox.put(fact_from_bytes(data))
+            fact = fact_from_bytes(data)
         except (ValueError, TypeError) as exc:
             logger.warning("kvplane %s: unreadable fact from a worker: %s", self.me.instance, exc)
-
-    def drain(self) -> None:
-        """Apply the facts the workers posted, and the control requests that came on the side
-        channel, since the last hook (engine thread only)."""
-        while True:
-            try:
-                fact = self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            self.on_fact(fact)
-        while True:
-            try:
-                ctl = self.controls.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                ctl.reply = self._control(ctl)
-            except Exception:
-                logger.exception("kvplane %s: %s of %s failed", self.me.instance, ctl.kind,
-                                 ctl.lease)
-            ctl.done.set()
+            return
+        self.on_fact(fact)
 
     # ---- lease control from the router (side channel) -----------------------------------------
 
@@ -224,10 +206,8 @@ class SchedulerHalf:
         except HandleError as exc:
             raise PeerError(f"retained handle refused: {exc}") from exc
 
-    def _control_request(self, key: str) -> bytes | None:  # the side channel's thread
+    def _control_request(self, key: str) -> bytes | None:  # a side channel thread
         kind, _, rest = key.partition("/")
-        if kind == "retained":
-            return None  # published ones are payloads; anything else is unknown
         if kind not in ("renew", "release"):
             return None
         try:
@@ -239,24 +219,19 @@ class SchedulerHalf:
         except (ValueError, KeyError, TypeError, PeerError) as exc:
             logger.warning("kvplane %s: refused %s request: %s", self.me.instance, kind, exc)
             return None
-        ctl = _Control(kind, lease)
-        self.controls.put(ctl)
-        if not ctl.done.wait(CONTROL_WAIT):
-            logger.warning("kvplane %s: %s of %s not handled within %.0f s", self.me.instance,
-                           kind, lease, CONTROL_WAIT)
-            return None
-        return ctl.reply
+        return self._control(kind, lease)
 
-    def _control(self, ctl: _Control) -> bytes | None:
+    @_locked
+    def _control(self, kind: str, lease: str) -> bytes | None:
         now = self.clock()
-        if ctl.kind == "renew":
-            events = self._handle("decode", Heartbeat(ctl.lease, self.cfg.lease_extension), now)
+        if kind == "renew":
+            events = self._handle("decode", Heartbeat(lease, self.cfg.lease_extension), now)
             renewed = next((e for e in events if isinstance(e, LeaseRenewed)), None)
             if renewed is None:
                 return None
-            return json.dumps({"lease": ctl.lease, "expires_at": renewed.expires_at}).encode()
-        events = self._handle("decode", Release(ctl.lease, "released by the router"), now)
-        return json.dumps({"lease": ctl.lease, "released": bool(events)}).encode()
+            return json.dumps({"lease": lease, "expires_at": renewed.expires_at}).encode()
+        events = self._handle("decode", Release(lease, "released by the router"), now)
+        return json.dumps({"lease": lease, "released": bool(events)}).encode()
 
     # ---- the core, recording and reacting -----------------------------------------------------
 
@@ -448,6 +423,7 @@ class SchedulerHalf:
         self.by_key[req.key] = req
         return req
 
+    @_locked
     def on_new_request(self, request: Any) -> None:
         req = self._req(request)
         if req is None:
@@ -459,8 +435,8 @@ class SchedulerHalf:
             output_tokens=int(getattr(sp, "max_tokens", 0) or 0),
             conversation=req.leg.conversation, tenant=req.leg.tenant))
 
+    @_locked
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        self.drain()
         req = self._req(request)
         if req is None:
             return 0, False
@@ -492,9 +468,9 @@ class SchedulerHalf:
             return ev.remote_tokens, True
         return 0, False
 
+    @_locked
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
-        self.drain()
         req = self._req(request)
         if req is None:
             return
@@ -578,8 +554,8 @@ class SchedulerHalf:
         else:
             self._restart_decode_attempt(req, now, "preempted")
 
+    @_locked
     def build_connector_meta(self) -> KvplaneMeta:
-        self.drain()
         now = self.clock()
         if now - self._last_tick >= _TICK_EVERY:
             self._last_tick = now
@@ -591,14 +567,14 @@ class SchedulerHalf:
         meta, self.pending = self.pending, KvplaneMeta()
         return meta
 
+    @_locked
     def has_pending_work(self) -> bool:
-        self.drain()
         p = self.pending
         return bool(p.orders or p.finished_sending or p.finished_recving or p.failed_recving)
 
+    @_locked
     def request_finished(self, request: Any, block_ids: Sequence[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self.drain()
         req = self.reqs.get(request.request_id)
         if req is None:
             return False, None
@@ -688,6 +664,7 @@ class SchedulerHalf:
 
     # ---- facts from the workers -----------------------------------------------------------------
 
+    @_locked
     def on_fact(self, fact: Fact) -> None:
         xfer, attempt = fact.xfer, fact.attempt
         if fact.kind == "notif":
@@ -745,6 +722,7 @@ class SchedulerHalf:
             logger.warning("kvplane %s: %s notification out of turn: %s", self.me.instance,
                            fact.notif, exc)
 
+    @_locked
     def shutdown(self) -> None:
         self.side_channel.close()
         self.recorder.close()

@@ -10,8 +10,8 @@ How it works:
   request frame with the key and reads one reply frame. Frames are a 4-byte big-endian length
   then the bytes; the reply's first byte says found (1) or not (0).
 - Keys the server holds no payload for but whose owner answers (`on_request`: a lease
-  `renew/<handle>` or `release/<handle>`) are handed to the owner, which may take a moment (the
-  engine thread does the work); the reply is whatever it returns.
+  `renew/<handle>` or `release/<handle>`) are handed to the owner, on the connection's thread;
+  the reply is whatever it returns.
 - The same server also takes what this instance's own workers observed (`FactSender`): a
   connection that opens with the key `"post"` sends frames until it closes, each handed to the
   server's `on_post` callback. Only clients on this host may post (loopback, or the address the

@@ -37,6 +37,19 @@ import httpx
 MODEL_NAME = "tiny"
 
 
+def log_dir(suite: str) -> Path:
+    """Where a suite's server logs and event database go: kept after the run (pytest's own
+    temporary folders are rotated away by later runs), under $KVPLANE_TEST_LOGS or the
+    temporary folder."""
+    import tempfile
+
+    base = Path(os.environ.get("KVPLANE_TEST_LOGS",
+                               Path(tempfile.gettempdir()) / "kvplane-live-logs"))
+    path = base / f"{suite}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ Time-outs are generous and nothing asserts a duration: on 2 shared cores timings
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import sys
 import time
@@ -27,6 +28,7 @@ import pytest
 
 from kvplane.core import events as ev
 from kvplane.core.replay import replay
+from kvplane.live.sidechannel import SideChannelError, fetch
 from kvplane.store import open_store
 
 
@@ -88,13 +90,13 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster() -> Iterator[Cluster]:
     model = tiny_model_dir()
-    logs = tmp_path_factory.mktemp("vllm")
+    logs = _servers.log_dir("live")
     db = logs / "events.db"
     run = f"live-{uuid.uuid4().hex[:8]}"
     cfg = {"kvplane_db": str(db), "kvplane_run": run, "kv_recompute_threshold": THRESHOLD,
-           "decoder_kv_blocks_ttl": 120}
+           "decoder_kv_blocks_ttl": 120, "lease_renewable": True, "lease_extension": 200}
     prefill = VllmServer("prefill", model, logs, connector=dict(cfg))
     decode = VllmServer("decode", model, logs, connector=dict(cfg))
     single = VllmServer("single", model, logs)
@@ -277,6 +279,30 @@ def test_expired_lease_falls_back(cluster: Cluster) -> None:
     assert not only(evs, ev.TransferPlanned, direction="D->P")
 
 
+def test_side_channel_serves_identity_and_lease_control(cluster: Cluster) -> None:
+    """What the router uses: identity, a retained handle by transfer id, renew, release."""
+    host, port = "127.0.0.1", cluster.decode.side_port
+    ident = json.loads(fetch(host, port, "identity"))
+    assert ident["endpoint"]["instance"] == "decode"
+    assert ident["layout"]["block_size"] == BLOCK and ident["settings"]["lease_renewable"]
+    _, _, handle = _turn1(cluster, 500, "pull")
+    xfer, lease = handle["xfer"], handle["lease"]
+    assert json.loads(fetch(host, port, f"retained/{xfer}")) == handle
+    renewed = json.loads(fetch(host, port, "renew/" + json.dumps(handle)))
+    assert renewed["expires_at"] > handle["expires_at"]
+    assert json.loads(fetch(host, port, f"retained/{xfer}"))["expires_at"] == \
+        renewed["expires_at"]
+    fetch(host, port, "release/" + json.dumps(handle))
+    evs = cluster.wait_for(xfer, ev.LeaseReleased, instance="decode")
+    assert only(evs, ev.LeaseRenewed, lease=lease)
+    assert only(evs, ev.LeaseReleased, lease=lease)[0].reason == "released by the router"
+    assert only(evs, ev.BlocksFreed, instance="decode")
+    with pytest.raises(SideChannelError):
+        fetch(host, port, f"retained/{xfer}")
+    with pytest.raises(SideChannelError):  # renewing a released lease is refused
+        fetch(host, port, "renew/" + json.dumps(handle))
+
+
 # ---- 4. the record ----------------------------------------------------------------------------
 
 
@@ -288,7 +314,8 @@ def test_recorded_run_replays_without_violation(cluster: Cluster) -> None:
     kinds = {type(e).__name__ for e in evs}
     for needed in ("BlocksReserved", "BlocksFreed", "TransferPlanned", "TransferCompleted",
                    "RegistrationSent", "RegistrationArrived", "RendezvousMatched",
-                   "LeaseGranted", "LeaseReleased", "LeaseExpired", "ReuseDecided",
+                   "LeaseGranted", "LeaseReleased", "LeaseExpired", "LeaseRenewed",
+                   "ReuseDecided",
                    "KVReceived", "NotificationReceived"):
         assert needed in kinds, f"no {needed} recorded"
     report = replay(evs, final=True)
