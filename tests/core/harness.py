@@ -11,11 +11,12 @@ What the harness plays:
 - the router: it relays pull metadata, stores retained handles, takes them for the next turn;
 - the engines: block allocation out of a pool (random picks, so pools fragment).
 
-The transport's one promise (the contract the core's deadlines rest on): a transfer's data moves
-within `window` seconds of its plan. `advance` enforces it by landing and completing every
-flight whose window closes before the new time. The cores are configured to match: prefill
-starts no WRITE within `window` of decode's deadline, decode starts no pull READ within `window`
-of prefill's hold expiry, and reuse READs pin decode's lease for their whole duration.
+The transport's one promise (the contract the core's deadlines rest on): a push WRITE or a pull
+READ moves its data within `window` seconds of its plan. `advance` enforces it by landing and
+completing every such flight whose window closes before the new time. The cores are configured
+to match: prefill starts no WRITE within `window` of decode's deadline, decode starts no pull
+READ within `window` of prefill's hold expiry. Reuse READs are not bounded (they may overrun
+their estimate): decode's lease is pinned for them until the READ ends.
 
 Message flow (push): decode ExpectKV -> RegistrationSent -> prefill Register; prefill
 TransferPlanned -> one Notify per stream (`plan.fan_out(prefill.layout, decode.layout)`) ->
@@ -38,11 +39,16 @@ from kvplane.core import prefill as pf
 from kvplane.core import sessions as ss
 from kvplane.core.events import (
     Event,
+    KVLoadFailed,
     KVReceived,
     LeaseGranted,
+    LeasePinned,
     MetadataRelayed,
+    RegistrationSent,
     ReuseDecided,
     SessionDropped,
+    SessionTaken,
+    TransferCompleted,
     TransferFailed,
     TransferPlanned,
 )
@@ -155,8 +161,6 @@ class Pair:
 
     def _react(self, side: str, e: Event) -> None:
         """What the drivers do with an event: send messages, start transfers."""
-        from kvplane.core.events import RegistrationSent  # local: keeps the import list short
-
         req = e.request or ""
         if side == D and isinstance(e, RegistrationSent):
             self.post(P, pf.Register(req, e.attempt, D, e.dst_blocks, self.d_layout, e.deadline))
@@ -185,10 +189,8 @@ class Pair:
                     e.expires_at,
                 )
                 self.post(R, ss.Store(tenant, conv, h, request=req))
-        elif side == D and isinstance(e, KVReceived):
-            entry = self.decode.entries.get((req, e.attempt))
-            if entry is not None and entry.mode == "pull":
-                self.post(P, pf.PullReadDone(req, e.attempt))
+        elif side == D and isinstance(e, TransferCompleted):
+            self.post(P, pf.PullReadDone(req, e.attempt))  # decode's pull READ is done
         elif side == R and isinstance(e, SessionDropped):
             self.post(D, ls.Release(e.lease, f"router: {e.reason}"))
 
@@ -285,7 +287,10 @@ class Pair:
         """Time passes; flights whose window closes first move all their data in it."""
         target = self.now + dt
         while True:
-            due = [f for f in self.flights.values() if f.opened + self.window <= target]
+            due = [
+                f for f in self.flights.values()
+                if f.mode != "reuse" and f.opened + self.window <= target
+            ]
             if not due:
                 break
             f = min(due, key=lambda f: (f.opened, f.key))
@@ -390,8 +395,6 @@ class Pair:
 
     def assert_one_kv_outcome(self) -> None:
         """Each wait of decode for KV ends at most once: received or failed, never both."""
-        from kvplane.core.events import KVLoadFailed
-
         seen: dict[tuple[str, int], str] = {}
         for e in self.log:
             if isinstance(e, (KVReceived, KVLoadFailed)):
@@ -420,8 +423,6 @@ class Pair:
               attempt: int = 0, threshold: int = 16, local_hit: int = 0) -> str:
         """The start of a later turn: take the handle, decide, pin, read. Returns the outcome
         ("read" when a READ is in flight, else why not)."""
-        from kvplane.core.events import LeasePinned, SessionTaken
-
         stored = self.router.handle_of(tenant, conversation)
         taken = self.r(ss.Take(tenant, conversation, request=req))
         handle = stored if any(isinstance(e, SessionTaken) for e in taken) else None

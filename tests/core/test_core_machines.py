@@ -1,0 +1,42 @@
+"""The machine shape: decide never changes state, apply is the only way it changes, a missing
+transition names the state and the input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from kvplane_core_harness import P, Pair, layout, state_of
+
+from kvplane.core import decode as dc
+from kvplane.core import machine
+from kvplane.core import prefill as pf
+from kvplane.core.errors import ProtocolError
+
+
+def test_decide_is_pure_and_apply_folds() -> None:
+    pair = Pair()
+    pair.start_push("r1", 40)
+    pair.deliver_all()
+    before = copy.deepcopy(state_of(pair.prefill))
+    events = machine.decide(pair.prefill, pf.FinishPrefill("r1", 0, 40), 1.0)
+    assert state_of(pair.prefill) == before  # deciding changed nothing
+    for e in events:
+        assert machine.apply(pair.prefill, e) is pair.prefill
+    assert pair.prefill.phase("r1", 0) == "transferring"
+
+
+def test_missing_transition_names_state_and_input() -> None:
+    d = dc.DecodeCore("D", layout())
+    with pytest.raises(ProtocolError) as info:
+        d.decide(dc.Finish("r1", 0), 0.0)
+    err = info.value
+    assert (err.machine, err.state, err.given) == ("decode", "absent", "Finish")
+    assert "'Finish'" in str(err) and "'absent'" in str(err)
+    p = pf.PrefillCore(P, layout())
+    with pytest.raises(ProtocolError, match="'TransferDone' is not allowed in state 'absent'"):
+        p.decide(pf.TransferDone("r1", 0), 0.0)
+    with pytest.raises(NotImplementedError):
+        machine.Machine("x").decide(None, 0.0)
+    with pytest.raises(NotImplementedError):
+        machine.Machine("x").apply(None)  # type: ignore[arg-type]
