@@ -412,12 +412,19 @@ def encode(event: Event) -> tuple[str, dict[str, Any]]:
     name = type(event).__name__
     if EVENT_TYPES.get(name) is not type(event):
         raise SchemaError(f"unknown event type {name!r}")
-    payload = {
-        f.name: _plain(getattr(event, f.name))
-        for f in dataclasses.fields(event)
-        if f.name not in _COMMON
-    }
-    return name, payload
+    return name, {f: _plain(getattr(event, f)) for f in _payload_fields(type(event))}
+
+
+_FIELDS: dict[type[Event], tuple[str, ...]] = {}
+
+
+def _payload_fields(cls: type[Event]) -> tuple[str, ...]:
+    """The payload's field names of an event type (cached: encode is on the recording path)."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(
+            f.name for f in dataclasses.fields(cls) if f.name not in _COMMON)
+    return names
 
 
 def decode(
@@ -465,8 +472,13 @@ def _hints(cls: type[Event]) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
+        if all(type(v) in _FLAT for v in value):
+            return list(value)
         return [_plain(v) for v in value]
     return value
+
+
+_FLAT = frozenset({int, float, str, bool})
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

@@ -98,6 +98,8 @@ def merge_runs(
         raise PeerError(f"source offers {len(src_blocks)} blocks of {src_bs}, {n} tokens needed")
     if len(dst_blocks) * dst_bs < n:
         raise PeerError(f"destination offers {len(dst_blocks)} blocks of {dst_bs}, {n} needed")
+    if src_bs == dst_bs:
+        return _merge_equal(src_blocks, dst_blocks, src_bs, n)
     runs: list[Run] = []
     t = 0
     while t < n:
@@ -114,6 +116,29 @@ def merge_runs(
         else:
             runs.append(Run(s, d, end - t))
         t = end
+    return tuple(runs)
+
+
+def _merge_equal(
+    src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...], bs: int, n: int
+) -> tuple[Run, ...]:
+    """The common case, equal block sizes: a run breaks where either side's next block id is
+    not the previous one plus one. One pass over block pairs, a Run made per break only."""
+    nb = -(-n // bs)
+    if nb == 0:
+        return ()
+    src, dst = src_blocks[:nb], dst_blocks[:nb]
+    breaks = [
+        i
+        for i, (s0, s1, d0, d1) in enumerate(zip(src, src[1:], dst, dst[1:]), start=1)
+        if s1 != s0 + 1 or d1 != d0 + 1
+    ]
+    starts = [0, *breaks]
+    ends = [*breaks, nb]
+    runs = [Run(src[a] * bs, dst[a] * bs, (b - a) * bs) for a, b in zip(starts, ends)]
+    if runs and nb * bs > n:  # the last block is partly filled
+        last = runs[-1]
+        runs[-1] = Run(last.src_slot, last.dst_slot, last.tokens - (nb * bs - n))
     return tuple(runs)
 
 

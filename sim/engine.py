@@ -363,7 +363,8 @@ class PrefillInstance(Instance):
                 self.sim.env.process(self.push_transfer(e, r))
 
     def on_registration(self, r: SimRequest, e: RegistrationSent, layout: KVLayout) -> None:
-        events = self.do(P.Register(r.id, 0, e.instance, e.dst_blocks, layout))
+        events = self.do(P.Register(r.id, 0, e.instance, e.dst_blocks, layout,
+                                    deadline=e.deadline))
         for ev in events:
             if isinstance(ev, RegistrationDropped):
                 self.sim.decodes[r.decode].do(D.KVFailed(r.id, 0, ev.reason))
