@@ -258,7 +258,9 @@ class SchedulerHalf:
                 self._order_transfer(role, ev, now)
             elif isinstance(ev, RegistrationSent):
                 self._order_registration(ev, req, now)
-            elif isinstance(ev, RegistrationDropped) or isinstance(ev, TransferFailed) and ev.direction == "P->D" and role == "prefill":
+            elif isinstance(ev, RegistrationDropped) or (
+                    isinstance(ev, TransferFailed) and ev.direction == "P->D"
+                    and role == "prefill"):
                 self._tell_decode_failed(ev.request or "", ev.attempt, ev.reason)
             if role == "decode" and isinstance(ev, (LeaseExpired, LeaseReleased, LeaseRenewed)):
                 self._republish(ev)
@@ -442,13 +444,16 @@ class SchedulerHalf:
             return 0, False
         n_prompt = int(request.num_prompt_tokens)
         if req.role == "decode":
-            if req.expected or req.attempt != req.leg.attempt:
-                return 0, False  # the one transfer was tried already
+            if req.expected or req.attempt != req.leg.attempt or req.leg.source is None:
+                return 0, False  # no transfer, or the one transfer was tried already
             have = n_prompt if req.leg.pull is None else min(n_prompt, req.leg.pull.num_tokens)
             count = have - num_computed
             return (count, True) if count > 0 else (0, False)
         if req.leg.reuse is None or req.started or num_computed > 0:
+            # (a local prefix hit would need the read to start past it; prefix caching is off)
             return 0, False
+        if req.leg.reuse.layout.block_size != self.layout.block_size:
+            return 0, False  # whole blocks move: only between equal block sizes
         if req.decision is None:
             handle = req.leg.reuse
             prompt = list(request.prompt_token_ids or [])

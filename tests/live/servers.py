@@ -37,6 +37,19 @@ import httpx
 MODEL_NAME = "tiny"
 
 
+def require_vllm() -> None:
+    """Fail (never skip) when vLLM's CPU build is not importable here, saying how to fix it."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vLLM is not installed in this interpreter: the live connector tests run "
+                    "real vLLM servers and are never skipped. Run `make setup-live` (or "
+                    "`bash scripts/install_live.sh .venv`) and use that venv's python.",
+                    pytrace=False)
+
+
 def log_dir(suite: str) -> Path:
     """Where a suite's server logs and event database go: kept after the run (pytest's own
     temporary folders are rotated away by later runs), under $KVPLANE_TEST_LOGS or the

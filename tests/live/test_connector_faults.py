@@ -97,6 +97,7 @@ def prompt(seed: int, n: int = 80) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
+    _servers.require_vllm()
     model = tiny_model_dir()
     logs = _servers.log_dir("faults")
     db = logs / "events.db"
@@ -162,6 +163,10 @@ def test_nixl_failure_on_read_is_recorded_and_recomputed(cluster: Cluster) -> No
     xfer = f"dead-source-{uuid.uuid4().hex[:6]}"
     pre = complete(cluster.doomed.url, p, 1, {"do_remote_decode": True, "kvplane": {
         "v": 1, "mode": "pull", "xfer": xfer}})
+    # Let its recorder write the hold first: a SIGKILL loses the last 0.2 s of events, and the
+    # replay would then (rightly) find decode reading blocks nobody was known to hold.
+    assert only(cluster.wait_for(xfer, ev.LeaseGranted, instance="prefill-doomed"),
+                ev.LeaseGranted)
     cluster.doomed.kill()
     d = complete(cluster.decode.url, p, MAX_TOKENS, pre.kv_transfer_params)
     assert d.token_ids == ref
@@ -189,6 +194,8 @@ def test_decode_killed_after_registering_prefill_frees(cluster: Cluster) -> None
     evs = cluster.wait_for(xfer, ev.RegistrationArrived, instance="prefill")
     assert only(evs, ev.RegistrationArrived, instance="prefill"), \
         f"decode's registration never reached prefill: {evs}"
+    assert only(cluster.wait_for(xfer, ev.RegistrationSent, instance="decode"),
+                ev.RegistrationSent)  # recorded before the kill (see the test above)
     cluster.decode.kill()
     pre = complete(cluster.prefill.url, p, 1, {"do_remote_decode": True, "kvplane": {
         "v": 1, "mode": "push", "xfer": xfer}})

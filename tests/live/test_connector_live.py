@@ -19,7 +19,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -91,6 +91,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
+    _servers.require_vllm()
     model = tiny_model_dir()
     logs = _servers.log_dir("live")
     db = logs / "events.db"
@@ -116,6 +117,18 @@ def prompt(seed: int, n: int) -> list[int]:
 def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[ev.Event]:
     return [e for e in evs if isinstance(e, kind)
             and all(getattr(e, k) == v for k, v in match.items())]
+
+
+def settled(read: Callable[[], float], want: float, timeout: float = 20.0) -> float:
+    """`read()` once it equals `want` (vLLM publishes its counters a little after the
+    request), else its last value after `timeout` seconds, for the assertion to show."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read()
+        if got == want or time.monotonic() > deadline:
+            assert got == want, f"metric is {got}, events say {want}"
+            return got
+        time.sleep(0.5)
 
 
 def moved_bytes(num_tokens: int) -> int:
@@ -155,12 +168,11 @@ def test_pull_matches_single_server(cluster: Cluster) -> None:
 
     # vLLM's own metrics agree with our events: decode took every prompt token from the
     # connector, and the bytes its READs moved are the prompts' blocks.
-    time.sleep(6)  # vLLM publishes connector stats with its periodic stats
-    d_ext = cluster.decode.metric("vllm:prompt_tokens_by_source_total",
-                                  source="external_kv_transfer") - d_ext0
-    d_bytes = cluster.decode.metric("vllm:kvplane_bytes_transferred_total") - d_bytes0
-    assert d_ext == sum(lengths)
-    assert d_bytes == sum(moved_bytes(n) for n in lengths)
+    settled(lambda: cluster.decode.metric("vllm:prompt_tokens_by_source_total",
+                                                 source="external_kv_transfer") - d_ext0,
+                   sum(lengths))
+    settled(lambda: cluster.decode.metric("vllm:kvplane_bytes_transferred_total")
+                   - d_bytes0, sum(moved_bytes(n) for n in lengths))
 
 
 # ---- 2. push --------------------------------------------------------------------------------
@@ -188,9 +200,8 @@ def test_push_matches_single_server(cluster: Cluster, order: str) -> None:
     assert only(evs, ev.BlocksFreed, instance="prefill")[0].reason == "KV sent"
     # decode never planned a transfer itself: its loop only sent the registration
     assert not only(evs, ev.TransferPlanned, instance="decode")
-    time.sleep(6)
-    p_bytes = cluster.prefill.metric("vllm:kvplane_bytes_transferred_total") - p_bytes0
-    assert p_bytes == moved_bytes(len(p))
+    settled(lambda: cluster.prefill.metric("vllm:kvplane_bytes_transferred_total")
+                   - p_bytes0, moved_bytes(len(p)))
 
 
 # ---- 3. bidirectional reuse -------------------------------------------------------------------
@@ -235,13 +246,12 @@ def test_second_turn_reads_decode_kv(cluster: Cluster, mode: str) -> None:
     started = only(evs, ev.PrefillStarted, instance="prefill")[0]
     assert started.computed_tokens == len(p2) - reusable  # only the suffix
     assert started.cached_tokens == reusable
-    time.sleep(6)
-    ext = cluster.prefill.metric("vllm:prompt_tokens_by_source_total",
-                                 source="external_kv_transfer") - ext0
-    local = cluster.prefill.metric("vllm:prompt_tokens_by_source_total",
-                                   source="local_compute") - local0
-    assert ext == reusable
-    assert local == len(p2) - reusable
+    settled(lambda: cluster.prefill.metric("vllm:prompt_tokens_by_source_total",
+                                                  source="external_kv_transfer") - ext0,
+                   reusable)
+    settled(lambda: cluster.prefill.metric("vllm:prompt_tokens_by_source_total",
+                                                  source="local_compute") - local0,
+                   len(p2) - reusable)
 
 
 def test_edited_history_is_not_reused(cluster: Cluster) -> None:

@@ -318,9 +318,18 @@ def test_bad_params_are_refused_not_raised() -> None:
     with pytest.raises(PeerError):
         parse_leg({"do_remote_prefill": True, "kvplane": {"mode": "pull"}}, "r")
     assert parse_leg({"do_remote_decode": True}, "r") is None
-    leg = parse_leg({"kvplane": {"role": "decode", "mode": "push", "xfer": "x"}}, "r")
+    plain = {"kvplane": {"role": "decode", "mode": "push", "xfer": "x", "retain": True}}
+    leg = parse_leg(plain, "r")
     assert isinstance(leg, Leg) and leg.source is None  # decode computes, may retain
     pair = Pair()
     P = pair.half("P")
+    D = pair.half("D")
+    rd = request("plain", plain, PROMPT)
+    D.on_new_request(rd)
+    assert D.get_num_new_matched_tokens(rd, 0) == (0, False)
+    D.update_state_after_alloc(rd, [1, 2, 3, 4, 5], 0)
+    finish(rd, len(PROMPT) + 1, [7, 8])
+    delay, params = D.request_finished(rd, [1, 2, 3, 4, 5])
+    assert delay and params["kvplane"]["retained"]["num_tokens"] == len(PROMPT) + 1
     rp = request("bad", {"do_remote_decode": True, "kvplane": {"v": 99}}, PROMPT)
     assert P.get_num_new_matched_tokens(rp, 0) == (0, False)
