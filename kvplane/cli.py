@@ -183,7 +183,12 @@ def replay(
                 typer.echo(f"run {run} ({info.kind}, {info.scenario}): "
                            f"{len(targets) - 1} point runs")
                 continue
-            report = do_replay(store.events(target.id), final=final)
+            events = store.events(target.id)
+            if target.kind == "live":
+                # instances record concurrently: their events interleave arbitrarily in the
+                # store, so merge them by the time they happened (a stable sort)
+                events = iter(sorted(events, key=lambda e: e.at))
+            report = do_replay(events, final=final)
             st = report.state
             verdict = "ok" if report.ok else f"{len(report.violations)} violation(s)"
             typer.echo(f"  {target.id} {target.scenario}: {st.events} events, "
