@@ -148,6 +148,9 @@ class StartReuseRead:
     src_blocks: tuple[int, ...]  # decode's retained blocks (the matched prefix)
     src_layout: KVLayout
     num_tokens: int
+    # prefill's destination blocks for the read; None: the request's blocks from the start.
+    # Give them when a local prefix hit covers the first blocks and the read lands after it.
+    dst_blocks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,7 +513,11 @@ class PrefillCore(Machine[PrefillCommand]):
         e = self.entries.get((cmd.request, cmd.attempt))
         if e is not None and e.reading:
             raise ProtocolError(self.name, "reading", "StartReuseRead", "a read is in flight")
-        dst = e.blocks if e else ()
+        own = e.blocks if e else ()
+        dst = own if cmd.dst_blocks is None else cmd.dst_blocks
+        if not set(dst) <= set(own):
+            raise ProtocolError(self.name, "reading", "StartReuseRead",
+                                "destination blocks are not reserved for this request")
         plan = plan_transfer(cmd.src_layout, self.layout, cmd.src_blocks, dst, cmd.num_tokens)
         return [
             TransferPlanned(

@@ -40,3 +40,28 @@ def test_missing_transition_names_state_and_input() -> None:
         machine.Machine("x").decide(None, 0.0)
     with pytest.raises(NotImplementedError):
         machine.Machine("x").apply(None)  # type: ignore[arg-type]
+
+
+def test_reuse_read_lands_in_the_given_destination_blocks() -> None:
+    """A local prefix hit covers the first blocks: the read goes to the blocks after it."""
+    from kvplane.core import prefill as P
+    from kvplane.core.errors import ProtocolError
+    from kvplane.core.events import TransferPlanned
+    from kvplane.core.plan import KVLayout
+    from kvplane.core.reuse import RetainedHandle
+
+    lay = KVLayout(16, 1, 2, 2, 64)
+    p = P.PrefillCore("p0", lay)
+    p.handle(P.Allocate("r", 0, (10, 11, 12, 13)), 0.0)
+    h = RetainedHandle("d0", "L", 64, 16, ("a", "b", "c", "d"), 100.0)
+    ev = p.handle(P.StartReuseRead("r", 0, h, (5, 6), lay, 32, dst_blocks=(12, 13)), 1.0)
+    plan = next(e for e in ev if isinstance(e, TransferPlanned))
+    assert plan.dst_blocks == (12, 13) and plan.runs == 1
+    p2 = P.PrefillCore("p1", lay)
+    p2.handle(P.Allocate("r", 0, (10, 11)), 0.0)
+    try:
+        p2.handle(P.StartReuseRead("r", 0, h, (5, 6), lay, 32, dst_blocks=(40, 41)), 1.0)
+    except ProtocolError as exc:
+        assert "not reserved" in str(exc)
+    else:
+        raise AssertionError("a read into foreign blocks must be refused")
