@@ -49,10 +49,10 @@ from .config import (
     scenario_from_data,
 )
 from .costs import SimCosts
-from .engine import SimRequest, Simulation
+from .engine import Simulation
 from .metrics import summarize
 from .profiles import load_profile
-from .runner import engine_config
+from .runner import engine_config, feed
 from .workloads import FIRST_PRIVATE, SHARED_STREAM, Request, requests_for_point
 
 __all__ = [
@@ -261,51 +261,6 @@ def _requests(recorded: Sequence[RecordedRequest], sc: Scenario
     return out, [r.id for r in recorded]
 
 
-def _feed(sim: Simulation, reqs: Sequence[Request], ids: Sequence[str], tenants: Sequence[str],
-          conversations: Sequence[str | None], block_size: int) -> Any:
-    """Release recorded requests: first turns open loop, later turns closed loop (runner.feed,
-    keeping the recorded ids, tenants and conversation names)."""
-    env = sim.env
-    all_done = env.event()
-    total = len(reqs)
-    followers: dict[int, list[Request]] = {}
-    firsts: list[Request] = []
-    for q in reqs:
-        if q.previous is None:
-            firsts.append(q)
-        else:
-            followers.setdefault(q.previous, []).append(q)
-
-    def make(q: Request) -> SimRequest:
-        retained = None
-        if q.conversation is not None:
-            whole = Request(q.rid, q.arrival, q.prompt_tokens + q.output_tokens, q.output_tokens,
-                            q.conversation, q.turn, q.think_time, q.previous, q.shared_stream,
-                            q.shared_tokens, q.stream)
-            retained = whole.block_hashes(block_size)
-        r = SimRequest(ids[q.rid], env.now, q.prompt_tokens, q.output_tokens,
-                       conversation=conversations[q.rid], tenant=tenants[q.rid], turn=q.turn,
-                       hashes=q.block_hashes(block_size), retained_hashes=retained)
-        nxt = followers.pop(q.rid, ())
-        r.on_done = lambda _r: finished(nxt)
-        return r
-
-    def finished(nxt: Any) -> None:
-        for n in nxt:
-            env.timeout(n.think_time).callbacks.append(lambda _, n=n: sim.submit(make(n)))
-        if len(sim.done) >= total and not all_done.triggered:
-            all_done.succeed()
-
-    def arrivals() -> Any:
-        for q in firsts:
-            if q.arrival > env.now:
-                yield env.timeout(q.arrival - env.now)
-            sim.submit(make(q))
-
-    env.process(arrivals())
-    return all_done
-
-
 def _run_until(sim: Simulation, done_event: Any, total: int, progress: Progress | None,
                what: str) -> None:
     """`env.run(until=done_event)`, reporting progress as requests finish."""
@@ -404,8 +359,9 @@ def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | No
     rec = BatchingRecorder(store, twin)
     try:
         sim = Simulation(cfg, costs, rec.record)
-        done = _feed(sim, reqs, ids, [r.tenant for r in recorded],
-                     [r.conversation for r in recorded], cfg.decode_layout.block_size)
+        done = feed(sim, reqs, cfg.decode_layout.block_size, ids=ids,
+                    tenants=[r.tenant for r in recorded],
+                    conversations=[r.conversation for r in recorded])
         wall = time.perf_counter()
         _run_until(sim, done, len(reqs), progress, f"replaying {run_id[:8]}")
         simulated = sim.env.now

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -67,9 +67,13 @@ def engine_config(point: Point, costs: SimCosts) -> EngineConfig:
     )
 
 
-def feed(sim: Simulation, batch: RequestBatch, block_size: int) -> Any:
+def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: int, *,
+         ids: Sequence[str] | None = None, tenants: Sequence[str] | None = None,
+         conversations: Sequence[str | None] | None = None) -> Any:
     """Release the workload into the simulation: open-loop arrivals for first turns, closed
-    loop (previous turn's finish + think time) for later turns."""
+    loop (previous turn's finish + think time) for later turns. `ids`, `tenants` and
+    `conversations` (indexed by rid) keep a recorded run's names; else they are generated.
+    Returns an event that fires when every request has finished."""
     env = sim.env
     all_done = env.event()
     total = len(batch)
@@ -88,9 +92,12 @@ def feed(sim: Simulation, batch: RequestBatch, block_size: int) -> Any:
         if q.conversation is not None:
             whole = replace(q, prompt_tokens=q.prompt_tokens + q.output_tokens)
             retained = whole.block_hashes(block_size)
-        r = SimRequest(q.request_id, env.now, q.prompt_tokens, q.output_tokens,
-                       conversation=q.conversation_id, turn=q.turn, hashes=hashes,
-                       retained_hashes=retained)
+        r = SimRequest(ids[q.rid] if ids else q.request_id, env.now, q.prompt_tokens,
+                       q.output_tokens,
+                       conversation=(conversations[q.rid] if conversations
+                                     else q.conversation_id),
+                       tenant=tenants[q.rid] if tenants else "default", turn=q.turn,
+                       hashes=hashes, retained_hashes=retained)
         nxt = followers.pop(q.rid, [])
         r.on_done = lambda _r: finished(nxt)
         return r
