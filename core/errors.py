@@ -17,10 +17,14 @@ class KvplaneError(Exception):
 class ProtocolError(KvplaneError):
     """Our side used the protocol wrongly: the input is not allowed in the current state."""
 
-    def __init__(self, machine: str, state: str, given: str, detail: str = "") -> None:
-        self.machine, self.state, self.given = machine, state, given
-        msg = f"{machine}: input {given!r} is not allowed in state {state!r}"
-        super().__init__(f"{msg}: {detail}" if detail else msg)
+    def __init__(self, machine: str, state: str = "", given: str = "", detail: str = "") -> None:
+        self.machine, self.state, self.given, self.detail = machine, state, given, detail
+        # args are the constructor's own, so the error can be rebuilt from them (SimPy does)
+        super().__init__(machine, state, given, detail)
+
+    def __str__(self) -> str:
+        msg = f"{self.machine}: input {self.given!r} is not allowed in state {self.state!r}"
+        return f"{msg}: {self.detail}" if self.detail else msg
 
 
 class PeerError(KvplaneError):

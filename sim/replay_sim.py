@@ -120,13 +120,18 @@ def recorded_requests(store: EventStore, run_id: str) -> list[RecordedRequest]:
             finished.setdefault(e.request, e.at)
         elif name == "RequestArrived" and e.request is not None:
             arrivals.append(e)
+    # a live run records each request's arrival at every hop (router, prefill leg, decode
+    # leg): the client's request is the earliest one
+    first: dict[str, Any] = {}
+    for e in sorted(arrivals, key=lambda e: e.at):
+        first.setdefault(e.request, e)
     out = [
         RecordedRequest(
             id=e.request, arrival=e.at, prompt_tokens=e.prompt_tokens,  # type: ignore[attr-defined]
             output_tokens=e.output_tokens, conversation=e.conversation,  # type: ignore[attr-defined]
             tenant=e.tenant, turn=e.turn, finished=finished.get(e.request),  # type: ignore[attr-defined]
         )
-        for e in arrivals
+        for e in first.values()
     ]
     out.sort(key=lambda r: (r.arrival, r.id))
     return out

@@ -21,7 +21,10 @@ def build_store(target: Path | str) -> SimpleNamespace:
       of its conversations), whose reuse-on point holds retained-KV leases;
     - a live-like recording: the `vllm bench serve` results in tests/data/vllm_bench,
       imported as a sweep (kind import) that says it reproduces seed_push_vs_pull;
-    - a simulated twin of one imported point (kind replay, parent = that point).
+    - a simulated twin of one imported point (kind replay, parent = that point);
+    - a real live run (kind live): tests/data/live_run/live.db, recorded by `kvplane router`
+      in front of two real vLLM servers running KvplaneConnector over real NIXL, copied in
+      with its events merged by time, and its simulated twin (tiny model, CPU profile).
 
     Returns the URL, the path and the run ids the tests use.
     """
@@ -33,6 +36,9 @@ def build_store(target: Path | str) -> SimpleNamespace:
 
     url = target if isinstance(target, str) else f"sqlite:///{target}"
     path = None if isinstance(target, str) else target
+    # the live run goes in first, so the pages' defaults (the newest run) stay simulated ones
+    live = copy_live_run(url)
+    live_twin = replay_into_sim(url, live, _cpu_scenario())
     pp = load_scenario("seed_push_vs_pull")
     pp = pp.model_copy(update={
         "requests": 10, "warmup_requests": 2,
@@ -56,4 +62,37 @@ def build_store(target: Path | str) -> SimpleNamespace:
         pull_point=by_label["pull_qps4_in4096_out128_iter0"],
         reuse_sweep=reuse["run_id"], reuse_on=reuse_on, reuse_off=reuse_off,
         import_sweep=imported["run_id"], measured=measured, twin=twin,
+        live=live, live_twin=live_twin,
     )
+
+
+def copy_live_run(url: str) -> str:
+    """Copy the recorded live run into the store at `url`, merged by event time."""
+    from kvplane.store import open_store
+
+    with open_store(f"sqlite:///{DATA / 'live_run' / 'live.db'}") as src:
+        info = src.run("live-sample")
+        events = sorted(src.events(info.id), key=lambda e: e.at)
+    with open_store(url) as dst:
+        run = dst.create_run("live", info.scenario, meta=dict(info.meta or {}),
+                             run_id=info.id)
+        dst.append(run, events)
+    return run
+
+
+def _cpu_scenario() -> object:
+    """What the live run ran: the tiny test model on this CPU machine, 1P1D, block size 32."""
+    from kvplane.sim.config import scenario_from_data
+
+    return scenario_from_data({
+        "name": "live-twin", "requests": 6,
+        "profiles": {"model": "tiny-test", "hardware": "cpu-test"},
+        "engine": {"block_size": 32, "max_num_seqs": 4, "max_model_len": 512,
+                   "activation_reserve_bytes": 1.0e8,
+                   "max_num_batched_tokens": 512},
+        "connector": {"mode": "pull", "bidirectional": True,
+                      "prefix_caching": {"prefill": False, "decode": False}},
+        "workload": {"kind": "poisson", "qps": 1.0,
+                     "input_len": {"mean": 200, "dist": "fixed"},
+                     "output_len": {"mean": 32, "dist": "fixed"}},
+    }, file="<live twin>")

@@ -17,6 +17,7 @@ import pytest
 from see_store import APP
 from streamlit.testing.v1 import AppTest
 
+from kvplane.core.replay import replay
 from kvplane.dashboard import queries
 from kvplane.store import open_store
 
@@ -64,7 +65,7 @@ def test_runs_page_lists_every_run_with_headline_figures(see_store, monkeypatch)
     assert at.header[0].value == "Runs"
     table = frame(at, 0)
     assert len(table) == see_store.runs
-    assert set(table["kind"]) == {"sim", "import", "replay"}
+    assert set(table["kind"]) == {"sim", "import", "replay", "live"}
     push = table[table["id"] == see_store.push_point].iloc[0]
     assert push["requests"] == 12 and push["finished"] == 12 and push["failed"] == 0
     assert 50 < push["TTFT mean (ms)"] < 1000 and 3 < push["TPOT mean (ms)"] < 20
@@ -276,3 +277,17 @@ def test_an_empty_store_says_how_to_fill_it(tmp_path, monkeypatch):
     at.sidebar.radio[0].set_value("What-if").run()
     ok(at)  # offers the bundled scenarios to start from
     assert at.selectbox(key="whatif_bundled").value
+
+
+def test_sim_vs_live_compares_a_real_live_run_with_its_twin(see_store, monkeypatch):
+    """The live run was recorded through real vLLM + NIXL (tests/data/live_run)."""
+    with open_store(see_store.url) as store:
+        assert store.run(see_store.live).kind == "live"
+        assert replay(sorted(store.events(see_store.live), key=lambda e: e.at), final=True).ok
+    at = open_app(see_store, monkeypatch, "Sim vs live")
+    at.selectbox(key="twin_a").set_value(see_store.live).run()
+    at.selectbox(key="twin_b").set_value(see_store.live_twin).run()
+    ok(at)
+    errors = frame(at, 0)
+    assert (errors["measured (ms)"] > 0).all() and (errors["twin (ms)"] > 0).all()
+    assert any("6 requests in both runs" in c.value for c in at.caption)
