@@ -209,6 +209,9 @@ class Entry:
     reading: bool = False  # a D->P reuse read in flight
 
 
+READ_BY_DECODE = "read by decode"  # why a pull hold ends when decode's read-done arrives
+
+
 def hold_lease_id(request: str, attempt: int) -> str:
     return f"{request}#{attempt}/hold"
 
@@ -490,7 +493,7 @@ class PrefillCore(Machine[PrefillCommand]):
 
     def _pull_read_done(self, cmd: PullReadDone, now: float) -> list[Event]:
         return self.leases.decide(
-            Release(hold_lease_id(cmd.request, cmd.attempt), "read by decode"), now
+            Release(hold_lease_id(cmd.request, cmd.attempt), READ_BY_DECODE), now
         )
 
     def _decide_reuse(self, cmd: DecideReuse, now: float) -> list[Event]:

@@ -40,6 +40,7 @@ from .events import (
     TransferPlanned,
 )
 from .ledger import Ledger
+from .prefill import READ_BY_DECODE
 from .sessions import SessionTable
 
 
@@ -113,8 +114,20 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
         state.leases[(ev.instance, ev.lease)] = ev
     elif isinstance(ev, (LeaseExpired, LeaseReleased)):
         key = (ev.instance, ev.lease)
-        state.leases.pop(key, None)
+        grant = state.leases.pop(key, None)
         state.ended_leases.add(key)
+        if (
+            isinstance(ev, LeaseReleased)
+            and ev.reason == READ_BY_DECODE
+            and grant is not None
+            and grant.purpose == "pull_hold"
+        ):
+            # Decode sends read-done only after its READ finished, so this release is causally
+            # after that read's end, even where another process's clock recorded the end later
+            # (a live run's instances record concurrently): the reader is done.
+            reader = grant.request or ""
+            state.reading_from.get(key, set()).discard((reader, grant.attempt))
+            state.read_lease.pop((reader, grant.attempt, "P->D"), None)
         if state.reading_from.get(key):
             bad(
                 "dead-lease-read",

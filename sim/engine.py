@@ -39,8 +39,10 @@ from kvplane.core.events import (
     FirstTokenEmitted,
     KVLoadFailed,
     KVReceived,
+    LeaseExpired,
     LeaseGranted,
     LeasePinned,
+    LeaseReleased,
     LeaseRenewed,
     MetadataRelayed,
     PrefillStarted,
@@ -500,8 +502,8 @@ class DecodeInstance(Instance):
         self.poke()
 
     def fallback(self, r: SimRequest) -> None:
-        """The KV will not come: decode computes the prompt itself (a stall of its loop)."""
-        r.ok = r.ok  # still served; recorded by the core's KVLoadFailed
+        """The KV will not come: decode computes the prompt itself (a stall of its loop); the
+        request is still served, and the core's KVLoadFailed records why."""
         self.recomputes.append(r)
         self.poke()
 
@@ -630,8 +632,8 @@ class DecodeInstance(Instance):
     def do(self, cmd: Any) -> list[Event]:
         events = super().do(cmd)
         for e in events:
-            if type(e).__name__ in ("LeaseExpired", "LeaseReleased"):
-                self.retained.pop(e.lease, None)  # type: ignore[attr-defined]
+            if isinstance(e, (LeaseExpired, LeaseReleased)):
+                self.retained.pop(e.lease, None)
         return events
 
 

@@ -171,11 +171,26 @@ def test_pull_hold_ending_while_decode_reads() -> None:
         reserved("P", "r1", (1,)), granted("P", "r1", "H", (1,), purpose="pull_hold"),
         reserved("D", "r1", (7,), purpose="remote_kv"),
         planned("r1", (1,), (7,), instance="D"),  # decode plans the READ
-        LeaseReleased(at=0.6, instance="P", request="r1", lease="H", reason="read by decode"),
+        LeaseExpired(at=0.6, instance="P", request="r1", lease="H"),
     ]
     assert rules(log) == ["dead-lease-read"]
     ok = [*log[:-1], completed("r1", instance="D"), log[-1]]
     assert rules(ok) == []
+    aborted = LeaseReleased(at=0.6, instance="P", request="r1", lease="H", reason="aborted")
+    assert rules([*log[:-1], aborted]) == ["dead-lease-read"]
+
+
+def test_pull_hold_released_by_the_readers_own_read_done() -> None:
+    """Decode sends read-done only after its READ ended: that release is the read's end, even
+    when (instances record concurrently) decode's own completion is recorded after it."""
+    log: list[Event] = [
+        reserved("P", "r1", (1,)), granted("P", "r1", "H", (1,), purpose="pull_hold"),
+        reserved("D", "r1", (7,), purpose="remote_kv"),
+        planned("r1", (1,), (7,), instance="D"),
+        LeaseReleased(at=0.6, instance="P", request="r1", lease="H", reason="read by decode"),
+        completed("r1", instance="D"),
+    ]
+    assert rules(log) == []
 
 
 def test_transfer_ended_twice_or_never_planned_or_planned_twice() -> None:
