@@ -37,15 +37,13 @@ from .events import (
     NotificationReceived,
     RegistrationSent,
     RequestAborted,
-    TransferCompleted,
-    TransferFailed,
     TransferPlanned,
 )
 from .lease import BeginRead, EndRead, Grant, Heartbeat, LeaseCommand, LeaseTable, Release
 from .lease import Tick as LeaseTick
 from .ledger import Ledger
 from .machine import Machine
-from .plan import KVLayout, fan_out, plan_transfer
+from .plan import KVLayout, ended_event, fan_out, plan_transfer, planned_event
 
 LEASE_COMMANDS = (Grant, Heartbeat, BeginRead, EndRead, Release, LeaseTick)
 
@@ -252,21 +250,10 @@ class DecodeCore(Machine[DecodeCommand]):
         )
         return [
             reserved,
-            TransferPlanned(
-                at=now,
-                instance=self.instance,
-                request=cmd.request,
-                attempt=cmd.attempt,
-                direction="P->D",
-                src=cmd.prefill,
-                dst=self.instance,
-                src_blocks=cmd.src_blocks,
-                dst_blocks=cmd.blocks,
-                num_tokens=cmd.num_tokens,
-                runs=len(plan.runs),
-                descriptors=plan.descriptors,
-                bytes=plan.bytes,
-                expected_notifications=len(plan.streams),
+            planned_event(
+                plan, at=now, instance=self.instance, request=cmd.request,
+                attempt=cmd.attempt, direction="P->D", src=cmd.prefill, dst=self.instance,
+                src_blocks=cmd.src_blocks, dst_blocks=cmd.blocks,
             ),
         ]
 
@@ -320,41 +307,16 @@ class DecodeCore(Machine[DecodeCommand]):
     def _pull_done(self, cmd: PullDone, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
         e = self.entries[key]
+        reason = cmd.reason or "read failed"
+        out: list[Event] = [ended_event(
+            cmd.ok, at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt,
+            direction="P->D", reason=reason)]
         if cmd.ok:
-            out: list[Event] = [
-                TransferCompleted(
-                    at=now,
-                    instance=self.instance,
-                    request=cmd.request,
-                    attempt=cmd.attempt,
-                    direction="P->D",
-                ),
-                KVReceived(
-                    at=now,
-                    instance=self.instance,
-                    request=cmd.request,
-                    attempt=cmd.attempt,
-                    num_tokens=e.num_tokens,
-                ),
-            ]
+            out.append(KVReceived(at=now, instance=self.instance, request=cmd.request,
+                                  attempt=cmd.attempt, num_tokens=e.num_tokens))
         else:
-            out = [
-                TransferFailed(
-                    at=now,
-                    instance=self.instance,
-                    request=cmd.request,
-                    attempt=cmd.attempt,
-                    direction="P->D",
-                    reason=cmd.reason or "read failed",
-                ),
-                KVLoadFailed(
-                    at=now,
-                    instance=self.instance,
-                    request=cmd.request,
-                    attempt=cmd.attempt,
-                    reason=cmd.reason or "read failed",
-                ),
-            ]
+            out.append(KVLoadFailed(at=now, instance=self.instance, request=cmd.request,
+                                    attempt=cmd.attempt, reason=reason))
         if e.phase == "aborting":
             out += self._free(now, key, "aborted; read drained")
         return out

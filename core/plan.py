@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PeerError
+from .events import Direction, TransferCompleted, TransferFailed, TransferPlanned
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,3 +180,29 @@ def plan_transfer(
     )
     nbytes = sum(num_tokens * src.num_layers * 2 * s.heads * src.head_bytes for s in streams)
     return TransferPlan(runs, streams, num_tokens, descriptors, nbytes)
+
+
+def planned_event(
+    plan: TransferPlan, *, at: float, instance: str, request: str, attempt: int,
+    direction: Direction, src: str, dst: str, src_blocks: tuple[int, ...],
+    dst_blocks: tuple[int, ...],
+) -> TransferPlanned:
+    """The event recording a plan: the one place a plan's figures become a `TransferPlanned`."""
+    return TransferPlanned(
+        at=at, instance=instance, request=request, attempt=attempt, direction=direction,
+        src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
+        num_tokens=plan.num_tokens, runs=len(plan.runs), descriptors=plan.descriptors,
+        bytes=plan.bytes, expected_notifications=len(plan.streams),
+    )
+
+
+def ended_event(
+    ok: bool, *, at: float, instance: str, request: str, attempt: int, direction: Direction,
+    reason: str,
+) -> TransferCompleted | TransferFailed:
+    """How a transfer ended: completed, or failed with `reason`."""
+    if ok:
+        return TransferCompleted(at=at, instance=instance, request=request, attempt=attempt,
+                                 direction=direction)
+    return TransferFailed(at=at, instance=instance, request=request, attempt=attempt,
+                          direction=direction, reason=reason)

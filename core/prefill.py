@@ -62,7 +62,7 @@ from .lease import BeginRead, EndRead, Grant, Heartbeat, LeaseCommand, LeaseTabl
 from .lease import Tick as LeaseTick
 from .ledger import Ledger
 from .machine import Machine
-from .plan import KVLayout, plan_transfer
+from .plan import KVLayout, ended_event, plan_transfer, planned_event
 from .reuse import RetainedHandle, decide_reuse
 
 # --- commands -----------------------------------------------------------------------------------
@@ -288,21 +288,10 @@ class PrefillCore(Machine[PrefillCommand]):
                 decode=reg.decode,
                 order=order,  # type: ignore[arg-type]
             ),
-            TransferPlanned(
-                at=now,
-                instance=self.instance,
-                request=fin.request,
-                attempt=fin.attempt,
-                direction="P->D",
-                src=self.instance,
-                dst=reg.decode,
-                src_blocks=fin.src_blocks,
-                dst_blocks=reg.dst_blocks,
-                num_tokens=fin.num_tokens,
-                runs=len(plan.runs),
-                descriptors=plan.descriptors,
-                bytes=plan.bytes,
-                expected_notifications=len(plan.streams),
+            planned_event(
+                plan, at=now, instance=self.instance, request=fin.request or "",
+                attempt=fin.attempt, direction="P->D", src=self.instance, dst=reg.decode,
+                src_blocks=fin.src_blocks, dst_blocks=reg.dst_blocks,
             ),
         ]
 
@@ -426,24 +415,9 @@ class PrefillCore(Machine[PrefillCommand]):
 
     def _transfer_done(self, cmd: TransferDone, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
-        done: Event
-        if cmd.ok:
-            done = TransferCompleted(
-                at=now,
-                instance=self.instance,
-                request=cmd.request,
-                attempt=cmd.attempt,
-                direction="P->D",
-            )
-        else:
-            done = TransferFailed(
-                at=now,
-                instance=self.instance,
-                request=cmd.request,
-                attempt=cmd.attempt,
-                direction="P->D",
-                reason=cmd.reason or "transfer failed",
-            )
+        done = ended_event(cmd.ok, at=now, instance=self.instance, request=cmd.request,
+                           attempt=cmd.attempt, direction="P->D",
+                           reason=cmd.reason or "transfer failed")
         return [done, *self._free(now, key, "KV sent" if cmd.ok else "send failed")]
 
     def _abort(self, cmd: Abort, now: float) -> list[Event]:
@@ -523,21 +497,10 @@ class PrefillCore(Machine[PrefillCommand]):
                                 "destination blocks are not reserved for this request")
         plan = plan_transfer(cmd.src_layout, self.layout, cmd.src_blocks, dst, cmd.num_tokens)
         return [
-            TransferPlanned(
-                at=now,
-                instance=self.instance,
-                request=cmd.request,
-                attempt=cmd.attempt,
-                direction="D->P",
-                src=cmd.handle.decode,
-                dst=self.instance,
-                src_blocks=cmd.src_blocks,
-                dst_blocks=dst,
-                num_tokens=cmd.num_tokens,
-                runs=len(plan.runs),
-                descriptors=plan.descriptors,
-                bytes=plan.bytes,
-                expected_notifications=len(plan.streams),
+            planned_event(
+                plan, at=now, instance=self.instance, request=cmd.request,
+                attempt=cmd.attempt, direction="D->P", src=cmd.handle.decode, dst=self.instance,
+                src_blocks=cmd.src_blocks, dst_blocks=dst,
             )
         ]
 
@@ -550,24 +513,9 @@ class PrefillCore(Machine[PrefillCommand]):
                 "ReuseReadDone",
                 "no read in flight",
             )
-        done: Event
-        if cmd.ok:
-            done = TransferCompleted(
-                at=now,
-                instance=self.instance,
-                request=cmd.request,
-                attempt=cmd.attempt,
-                direction="D->P",
-            )
-        else:
-            done = TransferFailed(
-                at=now,
-                instance=self.instance,
-                request=cmd.request,
-                attempt=cmd.attempt,
-                direction="D->P",
-                reason=cmd.reason or "read failed",
-            )
+        done = ended_event(cmd.ok, at=now, instance=self.instance, request=cmd.request,
+                           attempt=cmd.attempt, direction="D->P",
+                           reason=cmd.reason or "read failed")
         if e.abort_pending:
             return [done, *self._free(now, (cmd.request, cmd.attempt), "aborted")]
         return [done]
