@@ -53,7 +53,7 @@ from .engine import Simulation
 from .metrics import summarize
 from .profiles import load_profile
 from .runner import engine_config, feed
-from .workloads import FIRST_PRIVATE, SHARED_STREAM, Request, requests_for_point
+from .workloads import FIRST_PRIVATE, SHARED_STREAM, Request
 
 __all__ = [
     "LABEL_RE",
@@ -431,21 +431,10 @@ def _whatif(store: EventStore, sc: Scenario, baseline: str | None, changes: dict
 
 def _simulate_point(point: Point, record: Callable[[Any], None], progress: Progress | None,
                     what: str) -> dict[str, Any]:
-    """runner.simulate with progress reported while it runs."""
-    from .runner import feed
+    """runner.simulate with progress reported while it runs; NaN made JSON-safe for meta."""
+    from .runner import simulate
 
-    costs = SimCosts.from_scenario(point.scenario)
-    cfg = engine_config(point, costs)
-    sim = Simulation(cfg, costs, record)
-    batch = requests_for_point(point)
-    done = feed(sim, batch, cfg.decode_layout.block_size)
-    wall = time.perf_counter()
-    _run_until(sim, done, len(batch), progress, what)
-    simulated = sim.env.now
-    sim.drain()
-    wall = time.perf_counter() - wall
-    sc = point.scenario
-    warm = sc.warmup_requests / max(len(batch), 1)
-    return {"label": point.label, "mode": point.mode, "bidirectional": point.bidirectional,
-            "qps": point.qps, "input_len": point.input_len, "output_len": point.output_len,
-            **_summary(sim, warm, wall, simulated), "submitted": len(batch)}
+    _, summary = simulate(point, record,
+                          run=lambda sim, done, total: _run_until(sim, done, total, progress,
+                                                                  what))
+    return _finite(summary)  # type: ignore[no-any-return]

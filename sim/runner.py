@@ -122,15 +122,21 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
 
 
 def simulate(point: Point, record: Callable[[Any], None] | None = None,
-             drain: bool = True) -> tuple[Simulation, dict[str, Any]]:
-    """Run one point; return the simulation and its summary (the JSON shape of a point)."""
+             drain: bool = True,
+             run: Callable[[Simulation, Any, int], None] | None = None,
+             ) -> tuple[Simulation, dict[str, Any]]:
+    """Run one point; return the simulation and its summary (the JSON shape of a point).
+    `run(sim, all_done, total)` replaces `env.run(until=all_done)` (to report progress)."""
     costs = SimCosts.from_scenario(point.scenario)
     cfg = engine_config(point, costs)
     sim = Simulation(cfg, costs, record)
     batch = requests_for_point(point)
     all_done = feed(sim, batch, cfg.decode_layout.block_size)
     wall = time.perf_counter()
-    sim.env.run(until=all_done)
+    if run is None:
+        sim.env.run(until=all_done)
+    else:
+        run(sim, all_done, len(batch))
     simulated = sim.env.now
     if drain:
         sim.drain()
