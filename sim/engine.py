@@ -735,7 +735,7 @@ class Router:
                 return
             for e in d.do(Heartbeat(lease, cfg.heartbeat_extension)):
                 if isinstance(e, LeaseRenewed):
-                    sim.do(self.table, S.Renew(tenant, conv, e.expires_at))
+                    sim.do(self.table, S.Renew(tenant, conv, e.expires_at, lease))
                     d.expire_at(lease, e.expires_at)
             sim.env.timeout(cfg.heartbeat_interval).callbacks.append(beat)
 
