@@ -85,10 +85,12 @@ def translated(exc: DBAPIError, where: str, path: str | None) -> StoreError | No
             return StoreUnreadable(f"cannot read {where}: {orig}")
         return None
     if type(orig).__module__.startswith("psycopg") and type(orig).__name__ == "OperationalError":
-        first = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-        if "does not exist" in first and "database" in first:
-            return StoreMissing(where, first.split(": ", 1)[-1])
-        return StoreUnreadable(f"cannot reach the store at {where}: {first}")
+        # psycopg says 'connection to server at "h", port p failed: FATAL:  <why>'
+        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+        why = first.rsplit("FATAL:", 1)[-1].strip()
+        if why.startswith("database") and why.endswith("does not exist"):
+            return StoreMissing(where, why)
+        return StoreUnreadable(f"cannot reach the store at {where}: {why}")
     return None
 
 
