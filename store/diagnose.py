@@ -87,7 +87,7 @@ def translated(exc: DBAPIError, where: str, path: str | None) -> StoreError | No
     if type(orig).__module__.startswith("psycopg") and type(orig).__name__ == "OperationalError":
         # psycopg says 'connection to server at "h", port p failed: FATAL:  <why>'
         first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
-        why = first.rsplit("FATAL:", 1)[-1].strip()
+        why = first.rsplit("FATAL:", 1)[-1].strip().removeprefix("connection failed: ")
         if why.startswith("database") and why.endswith("does not exist"):
             return StoreMissing(where, why)
         return StoreUnreadable(f"cannot reach the store at {where}: {why}")

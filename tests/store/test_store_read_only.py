@@ -128,9 +128,11 @@ def test_a_damaged_page_is_reported_when_a_read_reaches_it(tmp_path: Path) -> No
     for start in range(4 * page, len(data), page):
         data[start : start + page] = os.urandom(page)
     path.write_bytes(bytes(data))
-    with pytest.raises(StoreUnreadable, match=r"damaged\.db is damaged \(.*\); restore it"):
-        with open_store(str(path), read_only=True) as store:
-            list(store.events(run))
+    with (
+        pytest.raises(StoreUnreadable, match=r"damaged\.db is damaged \(.*\); restore it"),
+        open_store(str(path), read_only=True) as store,
+    ):
+        list(store.events(run))
 
 
 def test_another_applications_sqlite_database_is_not_a_store(tmp_path: Path) -> None:
@@ -229,10 +231,12 @@ def test_a_malformed_payload_names_run_seq_and_type(store_url: str, payload: str
     run = record(store_url)
     execute(store_url, "UPDATE events SET payload = :p WHERE run = :r AND seq = 4",
             p=payload, r=run)  # fmt: skip
-    with open_store(store_url, read_only=True) as store:
-        with pytest.raises(StoredEventUnreadable, match=rf"^run {run}, event seq 4 "
-                           rf"\(BlocksReserved\): .*{why}") as caught:  # fmt: skip
-            list(store.events(run))
+    with (
+        open_store(store_url, read_only=True) as store,
+        pytest.raises(StoredEventUnreadable,
+                      match=rf"^run {run}, event seq 4 \(BlocksReserved\): .*{why}") as caught,
+    ):  # fmt: skip
+        list(store.events(run))
     assert isinstance(caught.value, SchemaError)  # callers catching schema errors still do
 
 
@@ -240,10 +244,12 @@ def test_an_unknown_stored_event_type_names_run_and_seq(store_url: str) -> None:
     run = record(store_url)
     execute(store_url, "UPDATE events SET type = 'FromTheFuture' WHERE run = :r AND seq = 2",
             r=run)  # fmt: skip
-    with open_store(store_url, read_only=True) as store:
-        with pytest.raises(StoredEventUnreadable, match=rf"^run {run}, event seq 2 "
-                           r"\(FromTheFuture\): unknown event type"):  # fmt: skip
-            list(store.events(run))
+    with (
+        open_store(store_url, read_only=True) as store,
+        pytest.raises(StoredEventUnreadable,
+                      match=rf"^run {run}, event seq 2 \(FromTheFuture\): unknown event type"),
+    ):  # fmt: skip
+        list(store.events(run))
 
 
 def test_a_sequence_gap_is_reported(store_url: str) -> None:
