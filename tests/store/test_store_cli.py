@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_store_read_only import PAIRS, execute, record
+from recorded_stores import PAIRS, execute, record
 
 from kvplane.cli import main
 from kvplane.core.events import SCHEMA_VERSION
@@ -156,3 +156,11 @@ def test_replay_reports_a_sequence_gap_as_a_violation(kvplane: Kvplane, tmp_path
            "1 violation(s)" in out
     assert "    sequence-gap: events 4..7 missing\n" in out
     assert "1 run(s) violate an invariant" in out
+
+
+def test_a_writing_command_on_a_newer_store_is_one_clear_line(
+    kvplane: Kvplane, tmp_path: Path
+) -> None:
+    db, message = damaged("newer", tmp_path)
+    code, out, err = kvplane("twin", "latest", "--db", db)
+    assert code == 2 and out == "" and one_line(err) == message

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from sqlalchemy import delete, insert, text, update
+from recorded_stores import PAIRS, clean_run, execute, record, sqlite_path
+from sqlalchemy import delete, insert, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from kvplane.core.errors import SchemaError
-from kvplane.core.events import SCHEMA_VERSION, BlocksFreed, BlocksReserved, Event
+from kvplane.core.events import SCHEMA_VERSION, BlocksFreed
 from kvplane.store import (
     NotAStore,
     RunTooNew,
@@ -32,39 +33,6 @@ from kvplane.store import (
     runs_table,
 )
 from kvplane.store.pg_temp import TemporaryPostgres
-
-PAIRS = 200  # reserve + free per request: a run that replays clean, some dozens of pages
-
-
-def clean_run(pairs: int = PAIRS) -> list[Event]:
-    out: list[Event] = []
-    for i in range(pairs):
-        blocks = (2 * i, 2 * i + 1)
-        out.append(BlocksReserved(at=float(i), instance="d0", request=f"r{i}", blocks=blocks,
-                                  purpose="decode"))  # fmt: skip
-        out.append(BlocksFreed(at=i + 0.5, instance="d0", request=f"r{i}", blocks=blocks,
-                               reason="finished"))  # fmt: skip
-    return out
-
-
-def record(url: str, events: list[Event] | None = None) -> str:
-    """A run written through the ordinary write path; the store is closed afterwards (SQLite
-    checkpoints its WAL into the file, so the file alone is the store)."""
-    with open_store(url) as store:
-        run = store.create_run("sim", "read-only")
-        store.append(run, clean_run() if events is None else events)
-    return run
-
-
-def sqlite_path(url: str) -> Path | None:
-    parsed = make_url(url)
-    return Path(parsed.database) if parsed.get_backend_name() == "sqlite" else None
-
-
-def execute(url: str, sql: str, **params: object) -> None:
-    with open_store(url) as store, store.engine.begin() as conn:
-        conn.execute(text(sql), params)
-
 
 # --- read-only opens ---------------------------------------------------------------------------
 
@@ -285,3 +253,18 @@ def test_a_contiguous_run_has_no_gap_however_it_was_batched(store_url: str) -> N
         gaps: list[SequenceGap] = []
         assert len(list(store.events(run, on_gap=gaps.append))) == 2 * (1 + 2 + 3 + 4 + 5)
         assert gaps == []
+
+
+def test_create_missing_makes_an_empty_store_then_only_reads(tmp_path: Path) -> None:
+    """What the dashboard asks for: its What-if page fills, through a writer of its own, the
+    store it shows, so a missing one is created empty; the reader itself stays read-only."""
+    path = tmp_path / "fresh.db"
+    with open_store(str(path), read_only=True, create_missing=True) as reader:
+        assert path.exists() and reader.runs() == []
+        with pytest.raises(StoreReadOnly):
+            reader.create_run("sim", "nope")
+        run = record(str(path))
+        assert [r.id for r in reader.runs()] == [run]
+    (tmp_path / "shop.db").write_bytes(b"")  # an existing file is opened, never re-created
+    with pytest.raises(NotAStore):
+        open_store(str(tmp_path / "shop.db"), read_only=True, create_missing=True)
