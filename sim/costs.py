@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kvplane.core.plan import KVLayout
 
-from .profiles import DTYPE_BYTES, HardwareProfile, ModelProfile
+from .profiles import DTYPE_BYTES, CalibrationProfile, HardwareProfile, ModelProfile
 
 if TYPE_CHECKING:
     from .config import Scenario
@@ -156,7 +156,12 @@ class ComputeCost:
     """Engine-step times of one instance (prefill, decode or mixed batches)."""
 
     def __init__(self, model: ModelProfile, hardware: HardwareProfile, tp: int | None = None,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, calibration: CalibrationProfile | None = None) -> None:
+        if calibration is None:
+            from .calibration import bundled_calibration
+
+            calibration = bundled_calibration(model, hardware)
+        self.calibration = calibration
         self.model = model
         self.hardware = hardware
         self.tp = tp if tp is not None else hardware.node.tp_size.value
@@ -176,11 +181,11 @@ class ComputeCost:
         self.flops_per_second = (
             hardware.device.peak_flops_bf16.value
             * self.tp
-            * hardware.achievable.compute_utilization.value
+            * calibration.compute_utilization.value
         )
         self.bytes_per_second = (
             hardware.device.hbm_bandwidth.value
-            * hardware.achievable.memory_bandwidth_utilization.value
+            * calibration.memory_bandwidth_utilization.value
         )
         self._dense_weight_bytes_per_rank = model.total_params.value * wbytes / self.tp
         moe = model.moe
@@ -190,8 +195,8 @@ class ComputeCost:
         self._experts = moe.num_experts.value if moe is not None else 0
         self._top_k = moe.experts_per_token.value if moe is not None else 0
         self.kv_bytes_per_token_per_rank = self.geometry.bytes_per_token_per_rank
-        self.step_overhead = hardware.engine.step_overhead.value
-        self.prefill_request_overhead = hardware.engine.prefill_request_overhead.value
+        self.step_overhead = calibration.step_overhead.value
+        self.prefill_request_overhead = calibration.prefill_request_overhead.value
         self._ar_latency = hardware.tp_collective.allreduce_latency.value
         self._ar_bandwidth = hardware.tp_collective.allreduce_bandwidth.value
         self._ar_per_pass = 2 * model.num_layers.value  # after attention and after the MLP
@@ -329,14 +334,22 @@ class TransferCost:
     """NIXL transfer costs over one link kind ('network' between nodes, 'nvlink' inside one)."""
 
     def __init__(self, hardware: HardwareProfile,
-                 link: Literal["network", "nvlink"] = "network") -> None:
+                 link: Literal["network", "nvlink"] = "network",
+                 calibration: CalibrationProfile | None = None) -> None:
         if link not in hardware.links:
             raise ValueError(f"{hardware.name} has no {link!r} link (has {sorted(hardware.links)})")
         spec = hardware.links[link]
         self.hardware = hardware
         self.link = link
+        if spec.utilization is not None:  # measured for the link itself
+            utilization = spec.utilization.value
+        elif calibration is not None:
+            utilization = calibration.network_utilization.value
+        else:
+            raise ValueError(f"{hardware.name}: link {link!r} has no measured utilization; "
+                             "pass the (model kind, hardware) calibration")
         self.bandwidth_per_rank = (
-            spec.bandwidth_per_rail.value * spec.rails_per_device.value * spec.utilization.value
+            spec.bandwidth_per_rail.value * spec.rails_per_device.value * utilization
         )
         self.latency = spec.latency.value
         self.post_fixed = spec.post_fixed.value
@@ -348,7 +361,8 @@ class TransferCost:
         self.unprepped_per_descriptor = nixl.unprepped_per_descriptor.value
         self.dlist_prep_per_descriptor = nixl.dlist_prep_per_descriptor.value
         self.add_remote_agent = nixl.add_remote_agent.value
-        self.reuse_read_setup = nixl.reuse_read_setup.value
+        self.reuse_read_setup = (calibration.reuse_read_setup.value
+                                 if calibration is not None else 0.0)
 
     def prepare_time(self, descriptors: int, prepped: bool = True) -> float:
         """Building the request's descriptors: make_prepped_xfer, or lists + initialize_xfer."""
@@ -470,12 +484,14 @@ class SimCosts:
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         reserve_bytes: float = 4.0e9,
+        calibration: CalibrationProfile | None = None,
     ) -> None:
         self.model = model
         self.hardware = hardware
-        self.prefill = ComputeCost(model, hardware, prefill_tp, block_size)
-        self.decode = ComputeCost(model, hardware, decode_tp, block_size)
-        self.transfer = TransferCost(hardware, link)
+        self.prefill = ComputeCost(model, hardware, prefill_tp, block_size, calibration)
+        self.calibration = self.prefill.calibration
+        self.decode = ComputeCost(model, hardware, decode_tp, block_size, self.calibration)
+        self.transfer = TransferCost(hardware, link, self.calibration)
         self.block_size = block_size
         self.pool_blocks = {
             side: kv_pool_blocks(model, hardware, cost.tp, block_size, gpu_memory_utilization,
@@ -485,6 +501,8 @@ class SimCosts:
 
     @classmethod
     def from_scenario(cls, scenario: Scenario) -> SimCosts:
+        from .calibration import calibration_for
+
         engine = scenario.engine
         return cls(
             scenario.model, scenario.hardware,
@@ -492,6 +510,7 @@ class SimCosts:
             block_size=engine.block_size,
             gpu_memory_utilization=engine.gpu_memory_utilization,
             reserve_bytes=engine.activation_reserve_bytes,
+            calibration=calibration_for(scenario),
         )
 
     # -- the engine's protocol ---------------------------------------------------------------------

@@ -29,7 +29,7 @@ def _models() -> tuple[ComputeCost, TransferCost, KVGeometry]:
     model = load_profile("qwen3-32b", "model")
     hw = load_profile("p5en-h200-tp8", "hardware")
     compute = ComputeCost(model, hw)  # type: ignore[arg-type]
-    return compute, TransferCost(hw), compute.geometry  # type: ignore[arg-type]
+    return compute, TransferCost(hw, "network", compute.calibration), compute.geometry  # type: ignore[arg-type]
 
 
 C, T, G = _models()

@@ -12,7 +12,7 @@ from kvplane.sim.costs import (
     attention_pairs,
     kv_pool_blocks,
 )
-from kvplane.sim.profiles import HardwareProfile, ModelProfile, load_profile
+from kvplane.sim.profiles import CalibrationProfile, HardwareProfile, ModelProfile, load_profile
 
 
 def model(name: str = "tiny-test") -> ModelProfile:
@@ -25,6 +25,12 @@ def hardware(name: str = "cpu-test") -> HardwareProfile:
     h = load_profile(name, "hardware")
     assert isinstance(h, HardwareProfile)
     return h
+
+
+def calibration(name: str = "calib-dense-cpu-test") -> CalibrationProfile:
+    c = load_profile(name, "calibration")
+    assert isinstance(c, CalibrationProfile)
+    return c
 
 
 def src(value: float) -> dict[str, Any]:
@@ -145,7 +151,7 @@ def test_moe_reads_only_the_experts_a_step_touches() -> None:
         moe={"num_experts": src(8), "experts_per_token": src(2), "expert_params": src(800_000)},
     )
     moe = ModelProfile.model_validate(base)
-    c = ComputeCost(moe, hardware())
+    c = ComputeCost(moe, hardware(), calibration=calibration())
     one = c.weight_bytes_per_rank(1)
     many = c.weight_bytes_per_rank(1000)
     assert one == pytest.approx((200_000 + 800_000 * 0.25) * 2)
@@ -157,7 +163,7 @@ def test_moe_reads_only_the_experts_a_step_touches() -> None:
 
 
 def test_transfer_pieces_by_hand() -> None:
-    t = TransferCost(hardware())
+    t = TransferCost(hardware(), "network", calibration())
     assert t.bandwidth_per_rank == 1e9
     assert t.wire_time(1e9, 0) == pytest.approx(1.0 + 1e-4)
     assert t.post_time(1000) == pytest.approx(1e-4 + 1000 * 1e-6)
@@ -171,7 +177,7 @@ def test_transfer_pieces_by_hand() -> None:
 
 def test_descriptors_not_bytes_dominate_fragmented_transfers() -> None:
     qwen, hw = model("qwen3-32b"), hardware("p5en-h200-tp8")
-    g, t = KVGeometry.of(qwen, 8), TransferCost(hw)
+    g, t = KVGeometry.of(qwen, 8), TransferCost(hw, "network", calibration("calib-dense-p5en-h200-tp8"))
     blocks = g.blocks_for(16384)
     merged = t.kv_timing(g, blocks, 1, placement="thread", notify=True)
     scattered = t.kv_timing(g, blocks, blocks, placement="thread", notify=True)
@@ -182,7 +188,7 @@ def test_descriptors_not_bytes_dominate_fragmented_transfers() -> None:
 
 def test_pull_stalls_the_engine_loop_push_does_not() -> None:
     qwen, hw = model("qwen3-32b"), hardware("p5en-h200-tp8")
-    g, t = KVGeometry.of(qwen, 8), TransferCost(hw)
+    g, t = KVGeometry.of(qwen, 8), TransferCost(hw, "network", calibration("calib-dense-p5en-h200-tp8"))
     pull = t.kv_timing(g, 1024, 128, placement="engine_loop", notify=False)
     push = t.kv_timing(g, 1024, 128, placement="thread", notify=True)
     assert pull.engine_stall_s == pytest.approx(pull.prepare_s + pull.post_s) and pull.engine_stall_s > 0
