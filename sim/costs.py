@@ -43,6 +43,7 @@ __all__ = [
     "TransferCost",
     "TransferTiming",
     "attention_pairs",
+    "attention_pairs_capped",
     "kv_pool_blocks",
 ]
 
@@ -54,6 +55,20 @@ def attention_pairs(new_tokens: int, cached_tokens: int = 0) -> float:
     return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2.0
 
 
+def attention_pairs_capped(new_tokens: int, cached_tokens: int, cap: int) -> float:
+    """Pairs when each query attends to at most `cap` keys (query i sees cached + i + 1)."""
+    if new_tokens <= 0:
+        return 0.0
+    first = cached_tokens + 1  # keys the first new query sees
+    last = cached_tokens + new_tokens
+    if last <= cap:
+        return attention_pairs(new_tokens, cached_tokens)
+    if first >= cap:
+        return float(new_tokens) * cap
+    below = cap - first  # queries that see fewer than cap keys: first .. cap - 1
+    return attention_pairs(below, cached_tokens) + float(new_tokens - below) * cap
+
+
 # --- KV geometry ----------------------------------------------------------------------------------
 
 
@@ -61,8 +76,10 @@ def attention_pairs(new_tokens: int, cached_tokens: int = 0) -> float:
 class KVGeometry:
     """The KV cache of one model on one instance: bytes per token and block, descriptors.
 
-    `kv_heads_per_rank` is num_kv_heads / tp, at least 1 (KV heads are replicated when tp
-    exceeds them, as vLLM does).
+    GQA: K and V are separate regions of every layer (`kv_parts` 2), split over TP ranks by KV
+    head (`kv_heads_per_rank` = num_kv_heads / tp, at least 1: heads are replicated when tp
+    exceeds them, as vLLM does). MLA: one latent region per layer (`kv_parts` 1), the whole
+    latent on every rank. Sparse attention adds the indexer's cache, one more region per layer.
     """
 
     num_layers: int
@@ -71,11 +88,21 @@ class KVGeometry:
     kv_dtype_bytes: float
     block_size: int
     tp: int
+    kv_parts: int = KV_PARTS
+    indexer_bytes_per_token: float = 0.0  # per layer, on every rank
 
     @classmethod
     def of(cls, model: ModelProfile, tp: int, block_size: int = 16) -> KVGeometry:
         if tp < 1 or block_size < 1:
             raise ValueError(f"tp and block_size must be >= 1, got tp={tp}, block={block_size}")
+        sparse = model.sparse_attention
+        indexer = (sparse.index_head_dim.value * DTYPE_BYTES[sparse.index_dtype]
+                   if sparse is not None else 0.0)
+        if model.mla is not None:
+            return cls(num_layers=model.num_layers.value, kv_heads_per_rank=1,
+                       head_dim=model.mla.kv_lora_rank.value + model.mla.qk_rope_head_dim.value,
+                       kv_dtype_bytes=DTYPE_BYTES[model.kv_dtype], block_size=block_size, tp=tp,
+                       kv_parts=1, indexer_bytes_per_token=indexer)
         heads = model.num_kv_heads.value
         return cls(
             num_layers=model.num_layers.value,
@@ -84,13 +111,20 @@ class KVGeometry:
             kv_dtype_bytes=DTYPE_BYTES[model.kv_dtype],
             block_size=block_size,
             tp=tp,
+            indexer_bytes_per_token=indexer,
         )
 
     @property
+    def parts(self) -> int:
+        """Regions per layer a block spans (K and V; or the latent; plus the indexer's)."""
+        return self.kv_parts + (1 if self.indexer_bytes_per_token else 0)
+
+    @property
     def bytes_per_token_per_rank(self) -> float:
-        """K and V of every layer for one token, on one rank."""
-        return KV_PARTS * self.num_layers * self.kv_heads_per_rank * self.head_dim * (
-            self.kv_dtype_bytes
+        """Every region of every layer for one token, on one rank."""
+        return self.num_layers * (
+            self.kv_parts * self.kv_heads_per_rank * self.head_dim * self.kv_dtype_bytes
+            + self.indexer_bytes_per_token
         )
 
     @property
@@ -100,12 +134,12 @@ class KVGeometry:
 
     @property
     def region_bytes(self) -> float:
-        """One (layer, K or V, block) region on one rank: the unit a descriptor describes."""
+        """One (layer, K or V or latent, block) region on one rank: what a descriptor describes."""
         return self.block_size * self.kv_heads_per_rank * self.head_dim * self.kv_dtype_bytes
 
     @property
     def bytes_per_block_per_rank(self) -> float:
-        return self.region_bytes * KV_PARTS * self.num_layers
+        return self.block_size * self.bytes_per_token_per_rank
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks needed to hold `tokens` tokens (the last one may be partly filled)."""
@@ -116,8 +150,8 @@ class KVGeometry:
         return max(0, tokens) // self.block_size
 
     def descriptors(self, runs: int) -> int:
-        """Descriptors per rank pair for `runs` contiguous block runs: runs x layers x (K, V)."""
-        return runs * self.num_layers * KV_PARTS
+        """Descriptors per rank pair for `runs` contiguous block runs: runs x layers x parts."""
+        return runs * self.num_layers * self.parts
 
     def transfer_bytes_per_rank(self, blocks: int) -> float:
         """Bytes one rank moves for `blocks` whole blocks."""
@@ -174,15 +208,30 @@ class ComputeCost:
         # sequence that samples a token, so both stay out of the per-token matmul term.
         self.linear_flops_per_token = 2.0 * matmul_params
         self.lm_head_flops = 2.0 * model.vocab_size.value * model.hidden_size.value
-        # QK^T and PV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair per layer.
+        # QK^T and PV: 2 FLOPs x heads x (qk width + v width) per (query, key) pair per layer;
+        # GQA: both widths are head_dim; MLA: nope + rope for QK, v_head_dim for PV.
+        mla = model.mla
+        qk = (mla.qk_nope_head_dim.value + mla.qk_rope_head_dim.value if mla
+              else model.head_dim.value)
+        v = mla.v_head_dim.value if mla else model.head_dim.value
         self.attention_flops_per_pair = (
-            4.0 * model.num_layers.value * model.num_attention_heads.value * model.head_dim.value
+            2.0 * model.num_layers.value * model.num_attention_heads.value * (qk + v)
         )
-        self.flops_per_second = (
-            hardware.device.peak_flops_bf16.value
-            * self.tp
-            * calibration.compute_utilization.value
+        sparse = model.sparse_attention
+        # Sparse attention: a query attends to at most `topk` keys; the indexer scores all.
+        self.attend_cap = sparse.index_topk.value if sparse is not None else None
+        self.indexer_flops_per_pair = (
+            2.0 * model.num_layers.value * sparse.index_n_heads.value
+            * sparse.index_head_dim.value if sparse is not None else 0.0
         )
+        self.indexer_bytes_per_token = self.geometry.num_layers * self.geometry.indexer_bytes_per_token
+        peak = hardware.device.peak_flops_bf16
+        if model.compute_dtype == "fp8":
+            if hardware.device.peak_flops_fp8 is None:
+                raise ValueError(f"{model.name} computes in fp8, but {hardware.name} gives no "
+                                 "device.peak_flops_fp8")
+            peak = hardware.device.peak_flops_fp8
+        self.flops_per_second = peak.value * self.tp * calibration.compute_utilization.value
         self.bytes_per_second = (
             hardware.device.hbm_bandwidth.value
             * calibration.memory_bandwidth_utilization.value
@@ -200,7 +249,9 @@ class ComputeCost:
         self._ar_latency = hardware.tp_collective.allreduce_latency.value
         self._ar_bandwidth = hardware.tp_collective.allreduce_bandwidth.value
         self._ar_per_pass = 2 * model.num_layers.value  # after attention and after the MLP
-        self._activation_bytes_per_token = model.hidden_size.value * DTYPE_BYTES[model.weight_dtype]
+        # what an all-reduce moves: activations, in their own dtype (not the weights')
+        self._activation_bytes_per_token = (model.hidden_size.value
+                                            * DTYPE_BYTES[model.activation_dtype])
 
     # -- pieces ------------------------------------------------------------------------------------
 
@@ -256,12 +307,32 @@ class ComputeCost:
         ) / self.bytes_per_second
         return self.step_overhead + self.allreduce_time(tokens) + max(compute, memory)
 
+    def _pairs(self, new_tokens: int, cached_tokens: int) -> float:
+        """(query, key) pairs priced for a chunk: attention (capped by sparse attention's top-k)
+        plus the indexer's scoring of every pair, in attention-pair units."""
+        full = attention_pairs(new_tokens, cached_tokens)
+        cap = self.attend_cap
+        if cap is None:
+            return full
+        attended = attention_pairs_capped(new_tokens, cached_tokens, cap)
+        return attended + full * self.indexer_flops_per_pair / self.attention_flops_per_pair
+
+    def _kv_read(self, tokens: float, sequences: int = 1) -> float:
+        """Cached tokens whose KV a step reads, in full-KV token units (sparse: the top-k of
+        each sequence, plus the indexer's keys of every token)."""
+        cap = self.attend_cap
+        if cap is None or self.kv_bytes_per_token_per_rank == 0:
+            return tokens
+        attended = min(tokens, float(cap) * max(sequences, 1))
+        index_share = self.indexer_bytes_per_token / self.kv_bytes_per_token_per_rank
+        return attended * (1.0 - index_share) + tokens * index_share
+
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One step that prefills `new_tokens` after `cached_tokens` already in the cache."""
         return self.step_time(
             tokens=new_tokens,
-            attention_pairs_=attention_pairs(new_tokens, cached_tokens),
-            kv_read_tokens=cached_tokens,
+            attention_pairs_=self._pairs(new_tokens, cached_tokens),
+            kv_read_tokens=self._kv_read(cached_tokens),
             sampled=1,
         )
 
@@ -279,10 +350,14 @@ class ComputeCost:
 
     def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
         """A decode-only step: `batch_size` sequences holding `context_tokens` tokens in total."""
+        pairs = float(context_tokens)
+        if self.attend_cap is not None:
+            pairs = (min(pairs, float(self.attend_cap) * batch_size)
+                     + pairs * self.indexer_flops_per_pair / self.attention_flops_per_pair)
         return self.step_time(
             tokens=batch_size,
-            attention_pairs_=float(context_tokens),
-            kv_read_tokens=float(context_tokens),
+            attention_pairs_=pairs,
+            kv_read_tokens=self._kv_read(float(context_tokens), batch_size),
             sampled=batch_size,
         )
 
@@ -295,8 +370,10 @@ class ComputeCost:
         chunk is counted as sampling once (the LM head is < 0.5 % of a chunk's FLOPs).
         """
         tokens = sum(n for n, _ in prefills) + len(decode_contexts)
-        pairs = sum(attention_pairs(n, c) for n, c in prefills) + float(sum(decode_contexts))
-        kv_read = float(sum(c for _, c in prefills) + sum(decode_contexts))
+        pairs = sum(self._pairs(n, c) for n, c in prefills) + sum(
+            self._pairs(1, c - 1) if c > 0 else 0.0 for c in decode_contexts)
+        kv_read = (sum(self._kv_read(float(c)) for _, c in prefills)
+                   + sum(self._kv_read(float(c)) for c in decode_contexts))
         return self.step_time(
             tokens=tokens, attention_pairs_=pairs, kv_read_tokens=kv_read,
             sampled=len(prefills) + len(decode_contexts),
@@ -522,14 +599,21 @@ class SimCosts:
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         return self.decode.decode_step_time(batch, context_tokens)
 
+    def _regions(self, descriptors: int) -> int:
+        """The core plans K and V regions per layer; a model with another number of regions
+        per layer (MLA: one latent; sparse attention: plus the indexer's) scales its count."""
+        parts = self.prefill.geometry.parts
+        return descriptors if parts == KV_PARTS else -(-descriptors * parts // KV_PARTS)
+
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float:
         tp = self.decode.tp if inline else self.prefill.tp
-        per_rank = -(-descriptors // tp)
+        per_rank = -(-self._regions(descriptors) // tp)
         return self.transfer.prepare_time(per_rank) + self.transfer.post_time(per_rank)
 
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float:
         streams = max(1, streams)
-        return self.transfer.wire_time(nbytes / streams, -(-descriptors // streams))
+        return self.transfer.wire_time(nbytes / streams,
+                                       -(-self._regions(descriptors) // streams))
 
     def handshake_time(self) -> float:
         """First contact: metadata round trip, add_remote_agent, and preparing the peer's
@@ -551,10 +635,17 @@ class SimCosts:
     def layout(self, side: Literal["prefill", "decode"]) -> KVLayout:
         """The core's KVLayout of one side."""
         cost = self.prefill if side == "prefill" else self.decode
+        g = cost.geometry
+        if g.kv_parts == KV_PARTS and not g.indexer_bytes_per_token:
+            heads = self.model.num_kv_heads.value
+            head_bytes = int(self.model.head_dim.value * DTYPE_BYTES[self.model.kv_dtype])
+        else:  # the core's layout knows K and V heads: state the same bytes per token that way
+            heads = 1
+            head_bytes = round(g.bytes_per_token_per_rank / (g.num_layers * KV_PARTS))
         return KVLayout(
             block_size=self.block_size,
             tp=cost.tp,
             num_layers=self.model.num_layers.value,
-            num_kv_heads=self.model.num_kv_heads.value,
-            head_bytes=int(self.model.head_dim.value * DTYPE_BYTES[self.model.kv_dtype]),
+            num_kv_heads=heads,
+            head_bytes=head_bytes,
         )

@@ -33,12 +33,14 @@ __all__ = [
     "Fitted",
     "HardwareProfile",
     "LinkProfile",
+    "MLASpec",
     "MoESpec",
     "ModelProfile",
     "ScenarioChoice",
     "ScenarioError",
     "Sourced",
     "SourcedInt",
+    "SparseAttentionSpec",
     "bundled_profile_names",
     "load_profile",
     "read_yaml",
@@ -328,6 +330,26 @@ class MoESpec(_Profile):
     expert_params: Sourced = _u("params", "parameters in all routed experts of all layers")
 
 
+class MLASpec(_Profile):
+    """Multi-head latent attention: one compressed latent (plus a shared rotary key) per token
+    per layer is cached, the same on every TP rank, in one region per layer."""
+
+    kv_lora_rank: SourcedInt = _u("elements", "width of the cached latent")
+    qk_rope_head_dim: SourcedInt = _u("elements", "rotary key part, cached next to the latent")
+    qk_nope_head_dim: SourcedInt = _u("elements", "per-head query/key width without rotary part")
+    v_head_dim: SourcedInt = _u("elements", "per-head value width")
+
+
+class SparseAttentionSpec(_Profile):
+    """Sparse attention with a lightweight indexer (DeepSeek-V3.2 class): each query attends to
+    at most `index_topk` keys that an indexer picks by scoring every key, with a cache of its own."""
+
+    index_topk: SourcedInt = _u("tokens", "keys each query attends to at most")
+    index_n_heads: SourcedInt = _u("heads", "indexer heads (scoring every key)")
+    index_head_dim: SourcedInt = _u("elements", "indexer head width (also its cache per token)")
+    index_dtype: Dtype = Field(default="fp8", description="dtype of the indexer's keys and cache")
+
+
 class ModelProfile(_Profile):
     """A transformer's shape: what sets its FLOPs, weight bytes and KV bytes."""
 
@@ -349,8 +371,15 @@ class ModelProfile(_Profile):
         "params", "input embedding + LM head parameters (not matmuls per prompt token)"
     )
     moe: MoESpec | None = Field(default=None, description="set for mixture-of-experts models")
+    mla: MLASpec | None = Field(default=None, description="set for multi-head latent attention")
+    sparse_attention: SparseAttentionSpec | None = Field(
+        default=None, description="set for indexer-based sparse attention")
     weight_dtype: Dtype = Field(default="bf16", description="dtype of the weights")
-    kv_dtype: Dtype = Field(default="bf16", description="dtype of the KV cache")
+    kv_dtype: Dtype = Field(default="bf16", description="dtype of the KV cache (apart from weights)")
+    compute_dtype: Literal["bf16", "fp16", "fp8"] = Field(
+        default="bf16", description="dtype of the matmuls: fp8 runs at the device's peak_flops_fp8")
+    activation_dtype: Dtype = Field(
+        default="bf16", description="dtype of activations (what TP all-reduces move)")
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelProfile:

@@ -236,3 +236,82 @@ def test_sim_costs_follow_the_engine_conventions() -> None:
     assert 0 < costs.message_latency() < 1e-3
     assert costs.handshake_time() > t.add_remote_agent
     assert costs.pool_blocks["decode"] > 200_000
+
+
+# --- architectures: MLA, sparse attention, MoE, FP8, dtypes ------------------------------------
+
+
+def test_mla_caches_one_latent_per_token_per_layer_on_every_rank() -> None:
+    ds = model("deepseek-v3")
+    assert ds.mla is not None
+    g8, g1 = KVGeometry.of(ds, 8), KVGeometry.of(ds, 1)
+    latent = ds.mla.kv_lora_rank.value + ds.mla.qk_rope_head_dim.value  # 576
+    assert g8.bytes_per_token_per_rank == ds.num_layers.value * latent * 2  # bf16, no K/V split
+    assert g8.bytes_per_token_per_rank == g1.bytes_per_token_per_rank  # replicated, not split
+    assert g8.parts == 1 and g8.descriptors(3) == 3 * ds.num_layers.value
+    # GQA for contrast: K and V, split over ranks by head
+    q = KVGeometry.of(model("qwen3-32b"), 8)
+    assert q.parts == 2 and q.bytes_per_token_per_rank * 8 == KVGeometry.of(
+        model("qwen3-32b"), 1).bytes_per_token_per_rank
+
+
+def test_the_core_layout_states_the_same_bytes_for_mla() -> None:
+    from kvplane.sim.costs import SimCosts
+
+    ds, hw = model("deepseek-v3.2-exp"), hardware("p5en-h200-tp8")
+    c = SimCosts(ds, hw)
+    lay = c.layout("decode")
+    assert lay.num_layers * 2 * lay.num_kv_heads * lay.head_bytes == \
+        c.decode.geometry.bytes_per_token_per_rank
+    # the core plans K and V regions; MLA + indexer is two regions per layer too, MLA alone one
+    assert c.descriptor_prep_time(128, inline=False) == pytest.approx(
+        c.transfer.prepare_time(16) + c.transfer.post_time(16))
+    v3 = SimCosts(model("deepseek-v3"), hw)
+    assert v3.descriptor_prep_time(128, inline=False) == pytest.approx(
+        v3.transfer.prepare_time(8) + v3.transfer.post_time(8))
+
+
+def test_sparse_attention_caps_the_keys_a_query_attends_to() -> None:
+    from kvplane.sim.costs import attention_pairs_capped
+
+    assert attention_pairs_capped(10, 0, 100) == attention_pairs(10, 0)
+    assert attention_pairs_capped(10, 1000, 100) == 10 * 100
+    # queries 1..4 see 1..4 keys, queries 5..10 are capped at 4
+    assert attention_pairs_capped(10, 0, 4) == (1 + 2 + 3) + 7 * 4
+    dense, sparse = model("deepseek-v3"), model("deepseek-v3.2-exp")
+    hw = hardware("p5en-h200-tp8")
+    cd, cs = ComputeCost(dense, hw), ComputeCost(sparse, hw)
+    # long context: attention grows with context for MLA, stays near flat for sparse
+    grow_d = cd.prefill_time(4096, 120_000) - cd.prefill_time(4096, 8_000)
+    grow_s = cs.prefill_time(4096, 120_000) - cs.prefill_time(4096, 8_000)
+    assert 0 < grow_s < grow_d / 2
+    assert cs.decode_step_time(8, 8 * 100_000) < cd.decode_step_time(8, 8 * 100_000)
+
+
+def test_fp8_compute_runs_at_the_fp8_peak() -> None:
+    hw = hardware("p5en-h200-tp8")
+    ds = model("deepseek-v3")
+    assert ds.compute_dtype == "fp8"
+    c8 = ComputeCost(ds, hw)
+    c16 = ComputeCost(ds.model_copy(update={"compute_dtype": "bf16"}), hw)
+    assert c8.flops_per_second == pytest.approx(2 * c16.flops_per_second, rel=0.01)
+    bare = hw.model_copy(update={"device": hw.device.model_copy(update={"peak_flops_fp8": None})})
+    with pytest.raises(ValueError, match="peak_flops_fp8"):
+        ComputeCost(ds, bare)
+
+
+def test_allreduce_moves_activations_in_their_dtype_not_the_weights() -> None:
+    hw = hardware("p5en-h200-tp8")
+    ds = model("deepseek-v3")  # fp8 weights, bf16 activations
+    a = ComputeCost(ds, hw).allreduce_time(8192)
+    b = ComputeCost(ds.model_copy(update={"activation_dtype": "fp8"}), hw).allreduce_time(8192)
+    assert ds.weight_dtype == "fp8" and a > 1.5 * b
+
+
+def test_moe_profile_is_priced_as_moe() -> None:
+    ds = model("deepseek-v3")
+    assert ds.moe is not None and ds.active_params.value < ds.total_params.value / 10
+    c = ComputeCost(ds, hardware("p5en-h200-tp8"))
+    assert c.calibration.model_kind == "moe"
+    assert c.weight_bytes_per_rank(1) < c.weight_bytes_per_rank(4096) <= \
+        c.weight_bytes_per_rank(1_000_000)
