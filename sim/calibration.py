@@ -15,6 +15,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,12 +58,20 @@ def model_kind(model: ModelProfile) -> str:
     return "moe" if model.moe is not None else "dense"
 
 
-def bundled_calibration(model: ModelProfile, hardware: HardwareProfile) -> CalibrationProfile:
-    """The bundled calibration made for this model kind on this hardware."""
-    kind = model_kind(model)
+@functools.cache
+def _bundled() -> tuple[CalibrationProfile, ...]:
+    out = []
     for name in bundled_profile_names("calibration"):
         prof = load_profile(name, "calibration")
         assert isinstance(prof, CalibrationProfile)
+        out.append(prof)
+    return tuple(out)
+
+
+def bundled_calibration(model: ModelProfile, hardware: HardwareProfile) -> CalibrationProfile:
+    """The bundled calibration made for this model kind on this hardware."""
+    kind = model_kind(model)
+    for prof in _bundled():
         if prof.model_kind == kind and prof.hardware == hardware.name:
             return prof
     raise ValueError(

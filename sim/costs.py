@@ -596,6 +596,10 @@ class SimCosts:
         """One prefill step (one chunk) of `new_tokens` after `cached_tokens`."""
         return self.prefill.prefill_time(new_tokens, cached_tokens)
 
+    def prefill_batch_time(self, chunks: list[tuple[int, int]]) -> float:
+        """One prefill engine step computing several requests' chunks, as (new, cached)."""
+        return self.prefill.batch_step_time(prefills=chunks)
+
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         return self.decode.decode_step_time(batch, context_tokens)
 

@@ -69,6 +69,7 @@ class Costs(Protocol):
     """What the engine needs to know about time. Built from model and hardware profiles."""
 
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float: ...
+    def prefill_batch_time(self, chunks: list[tuple[int, int]]) -> float: ...
     def decode_step_time(self, batch: int, context_tokens: int) -> float: ...
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float: ...
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float: ...
@@ -279,19 +280,34 @@ class Instance:
 
 
 class PrefillInstance(Instance):
+    """A prefill engine scheduled the way vLLM's scheduler does it.
+
+    Every step first continues the running requests' chunked prefills, oldest first, then
+    admits waiting requests while the step's token budget (`max_num_batched_tokens`), the
+    sequence limit (`max_num_seqs`) and free blocks allow; one step computes all the chunks it
+    took, priced together. A request waiting for a D->P reuse read holds its slot and blocks
+    but not the engine (vLLM's WAITING_FOR_REMOTE_KVS): other requests keep stepping.
+    """
+
     def __init__(self, sim: Simulation, name: str) -> None:
         cfg = sim.cfg
         super().__init__(sim, name, cfg.prefill_layout, cfg.prefill_blocks)
         self.core = P.PrefillCore(name, cfg.prefill_layout, cfg.kv_timeout)
         self.queue: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []  # admitted, computing, oldest first
+        self.loading = 0  # admitted, waiting for a reuse read
+        self.progress: dict[str, int] = {}  # request id -> prompt tokens in the cache so far
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
         self.cache = PrefixCache(self.pool.capacity)
-        self.busy = 0
         sim.env.process(self.loop())
 
+    @property
+    def busy(self) -> int:
+        return len(self.running) + self.loading
+
     def submit(self, r: SimRequest) -> None:
-        """The prefill leg arrives; the per-request overhead (HTTP, tokenizer, scheduling
-        round trips: calibrated, holds no engine) passes before it can be scheduled."""
+        """The prefill leg arrives; the per-request overhead (calibrated, holds no engine)
+        passes before it can be scheduled."""
         r.prefill_received = self.sim.env.now
 
         def enqueue(_: Any) -> None:
@@ -313,49 +329,78 @@ class PrefillInstance(Instance):
             return
         self.cache.touch(r.hashes.tolist())
 
-    def loop(self) -> Iterator[Any]:
-        env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
+    def admit(self) -> None:
+        """Waiting requests, in order, while a sequence slot and their blocks are free."""
+        cfg, env = self.sim.cfg, self.sim.env
         bs = self.layout.block_size
-        while True:
-            if not self.queue:
-                self._rearm()
-                yield self.wake
-                continue
+        while self.queue and self.busy < cfg.max_num_seqs:
             r = self.queue[0]
             blocks = self.pool.take(-(-r.prompt // bs))
             if blocks is None:
-                self._rearm()
-                yield self.wake
-                continue
+                return  # freed blocks (a finished transfer) wake the loop again
             self.queue.popleft()
-            self.busy += 1
             r.prefill_start = env.now
             self.do(P.Allocate(r.id, 0, blocks))
             cached = self.local_hits(r)
             if cfg.bidirectional and r.conversation is not None:
-                cached = yield from self.sim.router.reuse(self, r, cached)
-            r.cached = cached
-            self.sim.rec(PrefillStarted(at=env.now, instance=self.name, request=r.id,
-                                        computed_tokens=r.prompt - cached, cached_tokens=cached))
-            t, done = 0.0, cached
-            while done < r.prompt:  # chunked prefill: chunks of the step's token budget
-                chunk = min(cfg.max_num_batched_tokens, r.prompt - done)
-                t += costs.prefill_time(chunk, done)
-                done += chunk
-            r.compute_s = t
-            yield env.timeout(t)
-            self.remember(r)
-            r.prefill_end = env.now
-            self.busy -= 1
-            events = self.do(P.FinishPrefill(r.id, 0, r.prompt, mode=cfg.mode,
-                                             hold_ttl=cfg.hold_ttl))
-            if cfg.mode == "push":
-                self.start_push(events)
+                self.loading += 1
+                env.process(self._read_then_run(r, cached))
             else:
-                for e in events:
-                    if isinstance(e, LeaseGranted):
-                        self.expire_at(e.lease, e.expires_at)
-                self.sim.router.relay_metadata(self, r)
+                self._run(r, cached)
+
+    def _read_then_run(self, r: SimRequest, cached: int) -> Iterator[Any]:
+        cached = yield from self.sim.router.reuse(self, r, cached)
+        self.loading -= 1
+        self._run(r, cached)
+        self.poke()
+
+    def _run(self, r: SimRequest, cached: int) -> None:
+        r.cached = cached
+        self.progress[r.id] = cached
+        self.sim.rec(PrefillStarted(at=self.sim.env.now, instance=self.name, request=r.id,
+                                    computed_tokens=r.prompt - cached, cached_tokens=cached))
+        self.running.append(r)
+
+    def loop(self) -> Iterator[Any]:
+        env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
+        while True:
+            self.admit()
+            if not self.running:
+                self._rearm()
+                yield self.wake
+                continue
+            budget = cfg.max_num_batched_tokens
+            step: list[tuple[SimRequest, int, int]] = []  # (request, new tokens, cached)
+            for r in self.running:
+                if budget <= 0:
+                    break
+                done = self.progress[r.id]
+                n = min(r.prompt - done, budget)
+                step.append((r, n, done))
+                budget -= n
+            t = costs.prefill_batch_time([(n, c) for _, n, c in step])
+            self._rearm()
+            yield env.timeout(t)
+            for r, n, c in step:
+                r.compute_s += t
+                self.progress[r.id] = c + n
+                if c + n >= r.prompt:
+                    self.running.remove(r)
+                    del self.progress[r.id]
+                    self.finish(r)
+
+    def finish(self, r: SimRequest) -> None:
+        cfg = self.sim.cfg
+        self.remember(r)
+        r.prefill_end = self.sim.env.now
+        events = self.do(P.FinishPrefill(r.id, 0, r.prompt, mode=cfg.mode, hold_ttl=cfg.hold_ttl))
+        if cfg.mode == "push":
+            self.start_push(events)
+        else:
+            for e in events:
+                if isinstance(e, LeaseGranted):
+                    self.expire_at(e.lease, e.expires_at)
+            self.sim.router.relay_metadata(self, r)
 
     def start_push(self, events: list[Event]) -> None:
         for e in events:
