@@ -91,19 +91,17 @@ def apply_calibration(scenario: Scenario, calibration: CalibrationProfile) -> Sc
 
 # --- pricing a figure on the light-load critical path ------------------------------------------
 
-# The bidirectional seed's conversation: a turn reads what decode kept of the previous turn
-# (its prompt and answer), about 72 % of the new prompt (docs/calibration.md section 8).
-_READ_SHARE = 0.72
-
-
 @dataclass(frozen=True)
 class _Setting:
-    """What a figure's pricing needs besides the constants: the seed scenarios' settings."""
+    """What a figure's pricing needs besides the constants: the seed scenarios' settings and
+    the block runs their pools produce (measured by simulating, not chosen)."""
 
     model: ModelProfile
     hardware: HardwareProfile
     chunk: int
-    read_run_blocks: float
+    p2d_run_blocks: dict[int, float]  # prompt length -> mean blocks per run of P->D transfers
+    read_run_blocks: dict[int, float]  # prompt length -> mean blocks per run of D->P reads
+    read_share: dict[int, float]  # prompt length -> share of the prompt a reuse read covers
 
 
 def _costs(s: _Setting, cal: CalibrationProfile) -> tuple[object, object]:
@@ -133,15 +131,16 @@ def _pricers(s: _Setting) -> dict[str, list[tuple[float, Callable[[CalibrationPr
         def price(cal: CalibrationProfile) -> float:
             c, t = cc(cal)
             blocks = c.geometry.blocks_for(n)
-            p2d = t.kv_timing(c.geometry, blocks, 1, placement="engine_loop", notify=False)
+            runs = max(1, round(blocks / s.p2d_run_blocks[n]))
+            p2d = t.kv_timing(c.geometry, blocks, runs, placement="engine_loop", notify=False)
             return prefill_off(n, cal) + p2d.total_s + c.decode_step_time(1, n)
         return price
 
     def read(n: int) -> Callable[[CalibrationProfile], float]:
         def price(cal: CalibrationProfile) -> float:
             c, t = cc(cal)
-            blocks = c.geometry.full_blocks(int(n * _READ_SHARE))
-            runs = max(1, math.ceil(blocks / s.read_run_blocks))
+            blocks = c.geometry.full_blocks(int(n * s.read_share[n]))
+            runs = max(1, math.ceil(blocks / s.read_run_blocks[n]))
             return t.kv_timing(c.geometry, blocks, runs, placement="thread", notify=False,
                                setup_s=t.reuse_read_setup).total_s
         return price
@@ -176,12 +175,29 @@ def fittable_figures() -> list[str]:
     return sorted(_pricers(s))
 
 
+@functools.cache
 def _default_setting() -> _Setting:
+    """The bidirectional seed, simulated once to measure the block runs its pools produce at
+    the published prompt lengths (transfers' contiguity is state, not a constant)."""
     from .config import load_scenario
+    from .runner import simulate
 
     bd = load_scenario("seed_bidirectional")
-    return _Setting(bd.model, bd.hardware, bd.engine.max_num_batched_tokens,
-                    bd.connector.reuse_read_run_blocks or 1.0)
+    p2d: dict[int, float] = {}
+    read: dict[int, float] = {}
+    share: dict[int, float] = {}
+    done = {p.bidirectional: simulate(p, drain=False)[0].done for p in bd.points()}
+    bs = bd.engine.block_size
+    for n in (2048, 24576):
+        near = [r for r in done[False] if abs(r.prompt - n) <= 0.25 * n and r.runs]
+        p2d[n] = (sum(-(-r.prompt // bs) for r in near) / sum(r.runs for r in near)
+                  if near else 1.0)
+        reads = [r for r in done[True] if abs(r.prompt - n) <= 0.25 * n and r.read_runs]
+        read[n] = (sum(r.read_blocks for r in reads) / sum(r.read_runs for r in reads)
+                   if reads else 1.0)
+        share[n] = (sum(r.read_blocks * bs / r.prompt for r in reads) / len(reads)
+                    if reads else 0.0)
+    return _Setting(bd.model, bd.hardware, bd.engine.max_num_batched_tokens, p2d, read, share)
 
 
 @dataclass

@@ -119,6 +119,12 @@ class EngineSettings(_Config):
         "free blocks in order). Descriptors per transfer = runs x layers x 2, so this sets what "
         "a transfer costs to prepare and post",
     )
+    block_reuse: Literal["lifo", "fifo"] = Field(
+        default="lifo",
+        description="where vLLM's block pool puts a freed block that has no prefix-cache hash: "
+        "lifo = the front (vLLM 0.32: the next request reuses the last one's blocks, in reverse "
+        "order), fifo = the back (earlier V1 releases). Sets how contiguous transfers are",
+    )
     activation_reserve_bytes: float = Field(
         default=4.0e9, ge=0.0,
         description="per-device memory kept for activations, CUDA graphs and communication "

@@ -507,7 +507,7 @@ class ScenarioChoice(_Strict):
 
     scenario: str = Field(description="bundled scenario name")
     field: str = Field(description="dotted field of the scenario, e.g. 'workload.tool_output_fraction'")
-    value: float | None = Field(description="the value chosen")
+    value: float | str | None = Field(default=None, description="the value chosen")
     why: str = Field(description="how it was chosen")
     fitted_to: list[str] = Field(default_factory=list, description="figure ids it was chosen from")
 
