@@ -282,6 +282,36 @@ def _inconsistent(study: Published, f: PublishedFigure) -> str:
     return ""
 
 
+# --- figures of vLLM pull requests that a seed scenario can stand in for ---------------------
+
+
+def reader_thread_checks(sc: Scenario, prs: Published, seeds: int, jobs: int) -> list[Check]:
+    """PR #45211: pull with a reader thread against inline preparation, on the push/pull seed's
+    platform (the PR's output length, request count and pool state are not stated)."""
+    checks: list[Check] = []
+    for f in prs.figures:
+        if f.id != "pr45211-reader-thread":
+            continue
+        pts = [p for k in range(seeds) for p in _seeded(sc, k).points()
+               if f.matches(mode=p.mode, qps=p.qps, input_len=p.input_len)]
+        threaded = [replace_point(p, pull_reader_thread=True) for p in pts]
+        base = _run_points(pts, jobs)
+        with_thread = _run_points(threaded, jobs)
+        samples = [a["ttft_ms"]["mean"] / b["ttft_ms"]["mean"]
+                   for (_, a), (_, b) in zip(base, with_thread, strict=True)]
+        checks.append(Check(f, "TTFT pull inline / pull reader thread, 8 QPS, 2048 in",
+                            samples, unit="x"))
+    return checks
+
+
+def replace_point(p: Point, **connector: Any) -> Point:
+    from dataclasses import replace
+
+    sc = p.scenario.model_copy(update={"connector": p.scenario.connector.model_copy(
+        update=connector)})
+    return replace(p, scenario=sc)
+
+
 # --- sensitivity and the whole report -------------------------------------------------------------
 
 
@@ -340,6 +370,9 @@ def run_validation(jobs: int = 0, seeds: int = DEFAULT_SEEDS,
                               fitted_map(cal_pp, "seed_push_vs_pull"))
     checks += bidirectional_checks(bd, run_bidirectional(bd, seeds, jobs),
                                    fitted_map(cal_bd, "seed_bidirectional"))
+    from .config import load_published
+
+    checks += reader_thread_checks(pp, load_published()["vllm_prs"], seeds, jobs)
     predicted = [c for c in checks if c.counted]
     fitted = [c for c in checks if c.kind == "fitted"]
     names = sorted({c.name for c in (cal_pp, cal_bd) if c is not None})

@@ -183,7 +183,8 @@ def test_descriptors_not_bytes_dominate_fragmented_transfers() -> None:
     scattered = t.kv_timing(g, blocks, blocks, placement="thread", notify=True)
     assert merged.bytes_per_rank == scattered.bytes_per_rank == 512 * 2**20
     assert scattered.descriptors == 131072
-    assert scattered.total_s > 10 * merged.total_s
+    # the descriptors' posts, not the bytes, make up most of a scattered transfer
+    assert scattered.total_s - merged.total_s > 5 * merged.total_s
 
 
 def test_pull_stalls_the_engine_loop_push_does_not() -> None:
@@ -231,8 +232,9 @@ def test_sim_costs_follow_the_engine_conventions() -> None:
     assert 0.3 < stall < 0.35  # a fully scattered 16k pull stalls decode for ~1/3 s
     assert costs.prefill_time(2048, 0) == costs.prefill.prefill_time(2048)
     assert costs.decode_step_time(8, 8 * 16384) == costs.decode.decode_step_time(8, 8 * 16384)
-    assert costs.request_overhead() == pytest.approx(0.109)
-    assert costs.reuse_read_setup() == pytest.approx(0.0209)
+    cal = costs.calibration
+    assert costs.request_overhead() == cal.prefill_request_overhead.value
+    assert costs.reuse_read_setup() == cal.reuse_read_setup.value
     assert 0 < costs.message_latency() < 1e-3
     assert costs.handshake_time() > t.add_remote_agent
     assert costs.pool_blocks["decode"] > 200_000
