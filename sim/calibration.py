@@ -171,8 +171,10 @@ def _pricers(s: _Setting) -> dict[str, list[tuple[float, Callable[[CalibrationPr
 
 def fittable_figures() -> list[str]:
     """Ids of the figures `fit` can price (light-load critical paths)."""
-    s = _default_setting()
-    return sorted(_pricers(s))
+    from .config import load_scenario
+
+    bd = load_scenario("seed_bidirectional")  # the names do not depend on the runs: no simulation
+    return sorted(_pricers(_Setting(bd.model, bd.hardware, 1, {}, {}, {})))
 
 
 @functools.cache

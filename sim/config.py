@@ -65,6 +65,7 @@ __all__ = [
     "load_published",
     "load_scenario",
     "scenario_from_data",
+    "where_matches",
 ]
 
 Mode = Literal["push", "pull"]
@@ -426,6 +427,21 @@ WhereValue = str | int | float | bool
 PUBLISHED_FILE = "published.yaml"
 
 
+def where_matches(where: dict[str, Any], **point: Any) -> bool:
+    """Whether a point's axes satisfy a figure's `where` (a list: any of its values); axes the
+    point does not have are not checked."""
+    for key, want in where.items():
+        if key not in point:
+            continue
+        have = point[key]
+        if isinstance(want, list):
+            if have not in want:
+                return False
+        elif have != want:
+            return False
+    return True
+
+
 class PublishedFigure(_Config):
     """One published number (or range, or ratio of two others) and the points it belongs to.
 
@@ -483,16 +499,7 @@ class PublishedFigure(_Config):
 
     def matches(self, **point: Any) -> bool:
         """Whether a point with these axes is one the figure applies to."""
-        for key, want in self.where.items():
-            if key not in point:
-                continue
-            have = point[key]
-            if isinstance(want, list):
-                if have not in want:
-                    return False
-            elif have != want:
-                return False
-        return True
+        return where_matches(self.where, **point)
 
 
 class Published(_Config):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import Point, Published, PublishedFigure, Scenario, load_scenario
+from .config import Point, Published, PublishedFigure, Scenario, load_scenario, where_matches
 from .engine import SimRequest
 from .profiles import CalibrationProfile
 from .runner import simulate
@@ -132,8 +132,7 @@ def _needed(study: Published, p: Point) -> bool:
         where = {k: v for k, v in f.where.items() if k in ax}
         if f.metric in _SPEEDUPS:
             where = {k: v for k, v in where.items() if k not in study.baseline}
-        probe = PublishedFigure.model_construct(where=where)
-        if PublishedFigure.matches(probe, **ax):
+        if where_matches(where, **ax):
             return True
     return False
 
