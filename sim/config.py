@@ -581,6 +581,8 @@ def load_published() -> dict[str, Published]:
 def _resolve_published(value: Any, file: str, positions: _Positions | None) -> Any:
     """A scenario names its study (`published: {study: NAME}` or `published: NAME`); the
     figures come from scenarios/published.yaml, so no scenario types a published number."""
+    if isinstance(value, dict) and "figures" in value:
+        return value  # a study already resolved, e.g. a scenario recorded with a run
     name = value.get("study") if isinstance(value, dict) else value
     if not isinstance(name, str):
         return value

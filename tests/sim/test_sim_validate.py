@@ -113,3 +113,11 @@ def test_fit_keeps_what_its_figures_do_not_determine() -> None:
         load_profile("calib-dense-p5en-h200-tp8", "calibration").compute_utilization.fitted_to  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="cannot price"):
         fit(["pp-ttft-ratio-8qps-16k"])
+
+
+def test_a_recorded_scenario_keeps_its_resolved_study() -> None:
+    from kvplane.sim.config import scenario_from_data
+
+    sc = load_scenario("seed_bidirectional")
+    again = scenario_from_data(sc.model_dump(mode="json"), file="recorded")
+    assert again.published == sc.published
