@@ -93,6 +93,11 @@ class Cluster(_Config):
         default=False,
         description="prefill and decode share a node: KV moves over NVLink, not the network",
     )
+    expert_parallel: bool = Field(
+        default=False,
+        description="MoE models: spread each MoE layer's experts over an instance's ranks "
+        "(vLLM --enable-expert-parallel) instead of slicing every expert",
+    )
     routing: Literal["round_robin", "least_loaded"] = Field(
         default="round_robin", description="how the router picks instances among several"
     )

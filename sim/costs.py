@@ -190,7 +190,8 @@ class ComputeCost:
     """Engine-step times of one instance (prefill, decode or mixed batches)."""
 
     def __init__(self, model: ModelProfile, hardware: HardwareProfile, tp: int | None = None,
-                 block_size: int = 16, calibration: CalibrationProfile | None = None) -> None:
+                 block_size: int = 16, calibration: CalibrationProfile | None = None,
+                 expert_parallel: bool = False) -> None:
         if calibration is None:
             from .calibration import bundled_calibration
 
@@ -249,6 +250,17 @@ class ComputeCost:
         self._ar_latency = hardware.tp_collective.allreduce_latency.value
         self._ar_bandwidth = hardware.tp_collective.allreduce_bandwidth.value
         self._ar_per_pass = 2 * model.num_layers.value  # after attention and after the MLP
+        # Expert parallelism (vLLM --enable-expert-parallel): an MoE layer's experts are spread
+        # over the ranks instead of sliced; its MLP all-reduce becomes an all-to-all that sends
+        # each token to its top-k experts and back.
+        self.expert_parallel = expert_parallel and moe is not None and self.tp > 1
+        self._moe_layers = 0
+        if self.expert_parallel and moe is not None:
+            self._moe_layers = (moe.num_moe_layers.value if moe.num_moe_layers is not None
+                                else model.num_layers.value)
+            self._ar_per_pass -= self._moe_layers
+        a2a = hardware.tp_collective.alltoall_bandwidth
+        self._a2a_bandwidth = a2a.value if a2a is not None else self._ar_bandwidth
         # what an all-reduce moves: activations, in their own dtype (not the weights')
         self._activation_bytes_per_token = (model.hidden_size.value
                                             * DTYPE_BYTES[model.activation_dtype])
@@ -268,11 +280,17 @@ class ComputeCost:
         return shared + self._expert_bytes_per_rank * touched
 
     def allreduce_time(self, tokens: int) -> float:
-        """Two all-reduces per layer of `tokens` x hidden activations; zero without TP."""
+        """TP collectives of one pass: two all-reduces per layer of `tokens` x hidden
+        activations; with expert parallelism an MoE layer's second one is a dispatch and a
+        combine all-to-all of top-k copies of each token. Zero without TP."""
         if self.tp == 1 or tokens <= 0:
             return 0.0
         size = tokens * self._activation_bytes_per_token
-        return self._ar_per_pass * (self._ar_latency + size / self._ar_bandwidth)
+        total = self._ar_per_pass * (self._ar_latency + size / self._ar_bandwidth)
+        if self._moe_layers:
+            moved = size * self._top_k * (self.tp - 1) / self.tp  # what leaves each rank
+            total += self._moe_layers * 2 * (self._ar_latency + moved / self._a2a_bandwidth)
+        return total
 
     def flops(self, tokens: int, attention_pairs_: float, sampled: int) -> float:
         """FLOPs of a step computing `tokens` tokens that attend over `attention_pairs_` pairs."""
@@ -557,6 +575,7 @@ class SimCosts:
         *,
         prefill_tp: int | None = None,
         decode_tp: int | None = None,
+        expert_parallel: bool = False,
         link: Literal["network", "nvlink"] = "network",
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
@@ -565,9 +584,11 @@ class SimCosts:
     ) -> None:
         self.model = model
         self.hardware = hardware
-        self.prefill = ComputeCost(model, hardware, prefill_tp, block_size, calibration)
+        self.prefill = ComputeCost(model, hardware, prefill_tp, block_size, calibration,
+                                   expert_parallel)
         self.calibration = self.prefill.calibration
-        self.decode = ComputeCost(model, hardware, decode_tp, block_size, self.calibration)
+        self.decode = ComputeCost(model, hardware, decode_tp, block_size, self.calibration,
+                                  expert_parallel)
         self.transfer = TransferCost(hardware, link, self.calibration)
         self.block_size = block_size
         self.pool_blocks = {
@@ -584,6 +605,7 @@ class SimCosts:
         return cls(
             scenario.model, scenario.hardware,
             prefill_tp=scenario.prefill_tp, decode_tp=scenario.decode_tp, link=scenario.link,
+            expert_parallel=scenario.cluster.expert_parallel,
             block_size=engine.block_size,
             gpu_memory_utilization=engine.gpu_memory_utilization,
             reserve_bytes=engine.activation_reserve_bytes,

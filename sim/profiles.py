@@ -328,6 +328,8 @@ class MoESpec(_Profile):
     num_experts: SourcedInt = Field(description="routed experts per MoE layer")
     experts_per_token: SourcedInt = Field(description="routed experts each token uses (top-k)")
     expert_params: Sourced = _u("params", "parameters in all routed experts of all layers")
+    num_moe_layers: SourcedInt | None = _u(
+        "layers", "layers whose MLP is an MoE (default: every layer)", default=None)
 
 
 class MLASpec(_Profile):
@@ -415,6 +417,9 @@ class TPCollective(_Profile):
 
     allreduce_latency: Sourced = _u("s", "fixed time of one small all-reduce")
     allreduce_bandwidth: Sourced = _u("B/s", "algorithm bandwidth of a large all-reduce")
+    alltoall_bandwidth: Sourced | None = _u(
+        "B/s", "per-device bandwidth of an expert-parallel all-to-all (default: the "
+        "all-reduce's)", default=None)
 
 
 class LinkProfile(_Profile):

@@ -317,3 +317,16 @@ def test_moe_profile_is_priced_as_moe() -> None:
     assert c.calibration.model_kind == "moe"
     assert c.weight_bytes_per_rank(1) < c.weight_bytes_per_rank(4096) <= \
         c.weight_bytes_per_rank(1_000_000)
+
+
+def test_expert_parallelism_turns_moe_all_reduces_into_all_to_alls() -> None:
+    hw = hardware("p5en-h200-tp8")
+    ds = model("deepseek-v3")
+    assert ds.moe is not None and ds.moe.num_moe_layers is not None
+    tp_only = ComputeCost(ds, hw)
+    ep = ComputeCost(ds, hw, expert_parallel=True)
+    # each MoE layer swaps one all-reduce for two all-to-alls of top-k (8) copies per token
+    assert ep.allreduce_time(4096) > tp_only.allreduce_time(4096)
+    dense = model("qwen3-32b")
+    assert ComputeCost(dense, hw, expert_parallel=True).allreduce_time(4096) == \
+        ComputeCost(dense, hw).allreduce_time(4096)
