@@ -4,6 +4,7 @@ blocks without a hash, LRU order of cached ones, hits taken from the middle."""
 from __future__ import annotations
 
 import pytest
+
 from kvplane.sim.engine import BlockPool, FreeBlockQueue
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from kvplane.sim.config import load_scenario
 from kvplane.sim.costs import SimCosts
 from kvplane.sim.engine import EngineConfig, SimRequest, Simulation
@@ -44,8 +45,8 @@ def test_one_step_packs_several_requests_chunks_under_the_budget() -> None:
 
 
 def test_the_sequence_limit_holds_a_request_back() -> None:
-    sim, costs = _sim(max_num_seqs=2)
-    a, b, c = _three(sim)
+    sim, _ = _sim(max_num_seqs=2)
+    a, _, c = _three(sim)
     assert c.prefill_start >= a.prefill_end > a.prefill_start
     assert c.prefill_end > a.prefill_end
 
