@@ -121,3 +121,22 @@ def test_a_recorded_scenario_keeps_its_resolved_study() -> None:
     sc = load_scenario("seed_bidirectional")
     again = scenario_from_data(sc.model_dump(mode="json"), file="recorded")
     assert again.published == sc.published
+
+
+def test_validate_end_to_end_sorts_every_figure_into_predicted_fitted_or_context() -> None:
+    from kvplane.sim.validate import run_validation
+
+    ok, text = run_validation(jobs=1, seeds=2, sensitivity_table=False)
+    assert ok, text
+    predicted = text.split("## Predicted (counted)")[1].split("## Fitted")[0]
+    fitted = text.split("## Fitted")[1].split("What each fitted figure")[0]
+    cal = load_profile("calib-dense-p5en-h200-tp8", "calibration")
+    assert isinstance(cal, CalibrationProfile)
+    used = cal.fitted_figures()
+    for study in ("push_vs_pull", "bidirectional"):
+        for f in load_published()[study].figures:
+            if f.tolerance is None:
+                continue
+            row = f"`{f.id}`"
+            assert (row in fitted) == (f.id in used or any(i in used for i in f.ratio_of or ())), f.id
+            assert (row in predicted) != (row in fitted), f.id
