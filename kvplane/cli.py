@@ -90,11 +90,26 @@ def validate(
     out: Annotated[Optional[Path], typer.Option(help="Also write the table as Markdown here "  # noqa: UP045
                                                 "(e.g. docs/validation.md).")] = None,
     jobs: Annotated[int, typer.Option(help="Parallel processes.")] = 0,
+    seeds: Annotated[int, typer.Option(help="Seeds per figure (mean and 95 % interval).")] = 10,
+    calibration: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        help="Calibration profile (name or YAML from `kvplane calibrate fit`); default: the "
+        "bundled one of each scenario's (model kind, hardware).")] = None,
 ) -> None:
-    """Simulate the published experiments and print published vs simulated, with the error."""
+    """Simulate the published experiments and print published vs simulated over seeds; only
+    figures no constant was fitted to count."""
+    from kvplane.sim.config import ScenarioError
+    from kvplane.sim.profiles import load_profile
     from kvplane.sim.validate import run_validation
 
-    ok, text = run_validation(jobs=jobs)
+    if seeds < 1:
+        _fail("--seeds must be at least 1")
+    cal = None
+    if calibration is not None:
+        try:
+            cal = load_profile(calibration, "calibration")
+        except ScenarioError as exc:
+            _fail(str(exc))
+    ok, text = run_validation(jobs=jobs, seeds=seeds, calibration=cal)  # type: ignore[arg-type]
     typer.echo(text)
     if out is not None:
         out.write_text(text + "\n")
@@ -246,6 +261,52 @@ def calibrate_nixl(
     typer.echo(text)
     if out is not None:
         out.write_text(text + "\n")
+
+
+@calibrate_app.command("fit")
+def calibrate_fit(
+    use: Annotated[str, typer.Option(help="Comma-separated ids of the figures to fit to "
+                                     "(scenarios/published.yaml; see docs/published.md).")],
+    prior: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        help="Calibration to start from (its unfitted constants are kept); default: the "
+        "bundled one for the seed scenarios.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Name of the new profile.")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(help="Write the calibration YAML here.")] = None,  # noqa: UP045
+) -> None:
+    """Fit the free constants of a (model kind, hardware) pair to named figures and record
+    which figures each constant used; `kvplane validate --calibration FILE` then counts every
+    other figure as a prediction."""
+    import yaml
+
+    from kvplane.sim.calibration import fit, fittable_figures
+    from kvplane.sim.config import ScenarioError
+    from kvplane.sim.profiles import load_profile
+
+    ids = [u.strip() for u in use.split(",") if u.strip()]
+    unknown = [u for u in ids if u not in fittable_figures()]
+    if not ids or unknown:
+        _fail(f"--use: unknown or unpriceable figure ids {unknown}; choose from "
+              f"{', '.join(fittable_figures())}")
+    base = None
+    if prior is not None:
+        try:
+            base = load_profile(prior, "calibration")
+        except ScenarioError as exc:
+            _fail(str(exc))
+    result = fit(ids, base, name)  # type: ignore[arg-type]
+    for n, figs in result.fitted.items():
+        typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  (from {', '.join(figs)})")
+    for n in result.kept:
+        typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  (not determined: kept)")
+    for fid, r in result.residuals.items():
+        typer.echo(f"  residual {fid}: {r * 100:+.2f} %")
+    text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),
+                          sort_keys=False, width=100)
+    if out is not None:
+        out.write_text(text)
+        typer.echo(f"written to {out}")
+    else:
+        typer.echo(text)
 
 
 @app.command()

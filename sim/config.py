@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .profiles import (
+    CalibrationProfile,
     HardwareProfile,
     ModelProfile,
     ScenarioError,
@@ -61,8 +62,10 @@ __all__ = [
     "TraceWorkload",
     "Workload",
     "bundled_scenario_names",
+    "load_published",
     "load_scenario",
     "scenario_from_data",
+    "where_matches",
 ]
 
 Mode = Literal["push", "pull"]
@@ -90,6 +93,11 @@ class Cluster(_Config):
         default=False,
         description="prefill and decode share a node: KV moves over NVLink, not the network",
     )
+    expert_parallel: bool = Field(
+        default=False,
+        description="MoE models: spread each MoE layer's experts over an instance's ranks "
+        "(vLLM --enable-expert-parallel) instead of slicing every expert",
+    )
     routing: Literal["round_robin", "least_loaded"] = Field(
         default="round_robin", description="how the router picks instances among several"
     )
@@ -116,6 +124,12 @@ class EngineSettings(_Config):
         "length, in blocks, of the contiguous runs it hands out (null: a fresh pool hands out "
         "free blocks in order). Descriptors per transfer = runs x layers x 2, so this sets what "
         "a transfer costs to prepare and post",
+    )
+    block_reuse: Literal["lifo", "fifo"] = Field(
+        default="lifo",
+        description="where vLLM's block pool puts a freed block that has no prefix-cache hash: "
+        "lifo = the front (vLLM 0.32: the next request reuses the last one's blocks, in reverse "
+        "order), fifo = the back (earlier V1 releases). Sets how contiguous transfers are",
     )
     activation_reserve_bytes: float = Field(
         default=4.0e9, ge=0.0,
@@ -412,35 +426,74 @@ class Assumption(_Config):
 
 _WHERE_KEYS = frozenset({
     "mode", "qps", "input_len", "output_len", "bidirectional", "prompt_tokens", "load",
+    "descriptors", "model",
 })
+WhereValue = str | int | float | bool
+PUBLISHED_FILE = "published.yaml"
+
+
+def where_matches(where: dict[str, Any], **point: Any) -> bool:
+    """Whether a point's axes satisfy a figure's `where` (a list: any of its values); axes the
+    point does not have are not checked."""
+    for key, want in where.items():
+        if key not in point:
+            continue
+        have = point[key]
+        if isinstance(want, list):
+            if have not in want:
+                return False
+        elif have != want:
+            return False
+    return True
 
 
 class PublishedFigure(_Config):
-    """One published number (or range) and the point it belongs to."""
+    """One published number (or range, or ratio of two others) and the points it belongs to.
 
+    Figures live in `scenarios/published.yaml` (described in docs/published.md), never in code.
+    """
+
+    id: str = Field(description="stable name; calibration records cite figures by it")
     metric: Literal[
         "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "prefill_ms", "kv_transfer_ms",
-        "throughput_rps", "ttft_speedup", "tpot_speedup",
+        "throughput_rps", "ttft_speedup", "tpot_speedup", "post_ms",
     ] = Field(description="what was measured (speedups: baseline / improved)")
     value: float | None = Field(default=None, description="the figure, when a single number")
     low: float | None = Field(default=None, description="lower end, when a range")
     high: float | None = Field(default=None, description="upper end, when a range")
+    ratio_of: tuple[str, str] | None = Field(
+        default=None,
+        description="a speedup read off two other figures of the study: [baseline, improved] "
+        "ids; `value`, unless stated, is filled in from them when the file is loaded",
+    )
     stat: Literal["mean", "median", "p90", "p99"] = Field(
         default="mean", description="statistic (the articles report means unless stated)"
     )
-    where: dict[str, str | int | float | bool] = Field(
+    where: dict[str, WhereValue | list[WhereValue]] = Field(
         default_factory=dict,
         description="which points it applies to: mode, qps, input_len, output_len, "
-        "bidirectional, prompt_tokens (bucket of turns by prompt length), load",
+        "bidirectional, prompt_tokens (bucket of turns by prompt length), load, descriptors, "
+        "model; a list means each of its values",
+    )
+    tolerance: float | None = Field(
+        default=None, gt=0.0,
+        description="relative distance a prediction may have and still pass (the project's "
+        "choice); none: shown with its error, never a verdict",
     )
     source: str = Field(description="the article, PR or section it comes from")
     note: str = Field(default="", description="how to read it")
 
     @model_validator(mode="after")
     def _value_or_range(self) -> PublishedFigure:
-        if (self.value is None) == (self.low is None and self.high is None):
-            raise ValueError("give either value, or low and high")
-        if self.value is None and (self.low is None or self.high is None):
+        given = sum((self.value is not None or self.ratio_of is not None,
+                     self.low is not None or self.high is not None))
+        if self.ratio_of is not None and self.value is None:
+            raise ValueError("a ratio figure is resolved by its study (load_published)")
+        if self.ratio_of is not None and (self.low is not None or self.high is not None):
+            raise ValueError("a ratio figure has a value, not a range")
+        if given != 1:
+            raise ValueError("give exactly one of: value, low and high, or ratio_of")
+        if (self.low is None) != (self.high is None):
             raise ValueError("a range needs both low and high")
         if self.low is not None and self.high is not None and self.low > self.high:
             raise ValueError("low must be <= high")
@@ -449,17 +502,106 @@ class PublishedFigure(_Config):
             raise ValueError(f"where: unknown keys {sorted(unknown)}; allowed {sorted(_WHERE_KEYS)}")
         return self
 
+    def matches(self, **point: Any) -> bool:
+        """Whether a point with these axes is one the figure applies to."""
+        return where_matches(self.where, **point)
+
 
 class Published(_Config):
-    """Figures to compare a simulated sweep against."""
+    """One published study: where its figures come from and the figures themselves."""
 
-    source: str = Field(description="where the figures come from")
+    study: str = Field(default="", description="key of the study in scenarios/published.yaml")
+    title: str = Field(default="", description="what the study measured")
+    source: str = Field(description="where the figures come from (docs/published.md section)")
+    scenario: str | None = Field(
+        default=None, description="the bundled scenario that reproduces the study, if any"
+    )
+    baseline: dict[str, WhereValue] = Field(
+        default_factory=dict, description="the axes of a speedup's baseline, e.g. {mode: pull}"
+    )
+    improved: dict[str, WhereValue] = Field(
+        default_factory=dict, description="the axes of a speedup's improved side"
+    )
     prompt_bucket: float = Field(
         default=0.25, gt=0.0, lt=1.0,
         description="a `prompt_tokens` selector matches turns within this relative distance",
     )
     figures: list[PublishedFigure] = Field(description="the figures")
     claims: list[str] = Field(default_factory=list, description="qualitative published claims")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ratios_resolve(cls, data: Any) -> Any:
+        """Fill a ratio figure's `value` from the two figures it names (baseline / improved)."""
+        if not isinstance(data, dict) or not isinstance(data.get("figures"), list):
+            return data
+        figs = [dict(f) if isinstance(f, dict) else f for f in data["figures"]]
+        by = {f.get("id"): f for f in figs if isinstance(f, dict)}
+        for f in figs:
+            if not isinstance(f, dict) or f.get("ratio_of") is None:
+                continue
+            pair = f["ratio_of"]
+            got = [by.get(i) for i in pair] if isinstance(pair, (list, tuple)) else []
+            values = [g.get("value") for g in got if isinstance(g, dict)]
+            if len(values) != 2 or not all(isinstance(v, (int, float)) for v in values):
+                raise ValueError(f"{f.get('id')}: ratio_of needs two single-valued figures of "
+                                 f"the study, got {pair!r}")
+            if f.get("value") is None:  # a stated ratio (e.g. "1.6x") is kept as stated
+                f["value"] = float(values[0]) / float(values[1])
+        return {**data, "figures": figs}
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Published:
+        ids = [f.id for f in self.figures]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"figure ids repeat: {sorted(i for i in set(ids) if ids.count(i) > 1)}")
+        return self
+
+    def figure(self, figure_id: str) -> PublishedFigure:
+        for f in self.figures:
+            if f.id == figure_id:
+                return f
+        raise LookupError(f"study {self.study!r} has no figure {figure_id!r}")
+
+
+def load_published() -> dict[str, Published]:
+    """Every published study, from `kvplane.scenarios/published.yaml` (docs/published.md)."""
+    file = f"scenarios/{PUBLISHED_FILE}"
+    text = resources.files(_SCENARIOS_PACKAGE).joinpath(PUBLISHED_FILE).read_text(
+        encoding="utf-8")
+    data, positions = read_yaml(text, file)
+    studies = data.get("studies") if isinstance(data, dict) else None
+    if not isinstance(studies, dict):
+        raise ScenarioError(file, [("studies", "a mapping of study name to study", None, 1)])
+    out: dict[str, Published] = {}
+    for name, body in studies.items():
+        try:
+            out[name] = Published.model_validate({**body, "study": name})
+        except ValidationError as exc:
+            raise scenario_error_from_validation(exc, file, positions, ("studies", name),
+                                                 Published) from None
+    return out
+
+
+def _resolve_published(value: Any, file: str, positions: _Positions | None) -> Any:
+    """A scenario names its study (`published: {study: NAME}` or `published: NAME`); the
+    figures come from scenarios/published.yaml, so no scenario types a published number."""
+    if isinstance(value, dict) and "figures" in value:
+        return value  # a study already resolved, e.g. a scenario recorded with a run
+    name = value.get("study") if isinstance(value, dict) else value
+    if not isinstance(name, str):
+        return value
+    if isinstance(value, dict) and set(value) - {"study"}:
+        line = positions.line_of(("published",)) if positions else None
+        expected = ("only `study: NAME` (the figures live in scenarios/published.yaml, see "
+                    "docs/published.md)")
+        raise ScenarioError(file, [("published", expected, _short(sorted(value)), line)])
+    studies = load_published()
+    if name not in studies:
+        line = positions.line_of(("published",)) if positions else None
+        raise ScenarioError(file, [("published.study", f"one of {sorted(studies)}",
+                                    repr(name), line)])
+    return studies[name]
 
 
 # --- the scenario ---------------------------------------------------------------------------------
@@ -471,6 +613,11 @@ class Profiles(_Config):
     model: ModelProfile = Field(description="model profile: a bundled name, a path, or inline")
     hardware: HardwareProfile = Field(
         description="hardware profile: a bundled name, a path, or inline"
+    )
+    calibration: CalibrationProfile | None = Field(
+        default=None,
+        description="efficiencies of this (model kind, hardware) pair: a bundled name, a path, "
+        "or inline (default: the bundled calibration made for them, see `kvplane calibrate fit`)",
     )
 
     @model_validator(mode="before")
@@ -663,7 +810,8 @@ _SCENARIOS_PACKAGE = "kvplane.scenarios"
 def bundled_scenario_names() -> list[str]:
     """Names of the scenarios shipped in kvplane.scenarios (the *.yaml next to its __init__)."""
     folder = resources.files(_SCENARIOS_PACKAGE)
-    return sorted(e.name[:-5] for e in folder.iterdir() if e.name.endswith(".yaml"))
+    return sorted(e.name[:-5] for e in folder.iterdir()
+                  if e.name.endswith(".yaml") and e.name != PUBLISHED_FILE)
 
 
 def _is_path(path_or_name: str | Path) -> bool:
@@ -709,6 +857,8 @@ def scenario_from_data(
     if not isinstance(data, dict):
         raise ScenarioError(file, [("", "a mapping at the top of the scenario", _short(data), 1)])
     data = dict(data)
+    if data.get("published") is not None:
+        data["published"] = _resolve_published(data["published"], file, positions)
     profiles = data.get("profiles")
     if isinstance(profiles, dict):
         data["profiles"] = _resolve_profiles(profiles, file, base_dir, positions)
@@ -731,7 +881,7 @@ def _resolve_profiles(
     profiles: dict[str, Any], file: str, base_dir: Path | None, positions: _Positions | None
 ) -> dict[str, Any]:
     out = dict(profiles)
-    for key in ("model", "hardware"):
+    for key in ("model", "hardware", "calibration"):
         if key not in profiles:
             continue  # pydantic reports the missing field
         value = profiles[key]
@@ -757,6 +907,8 @@ def _resolve_profiles(
                 raise
         elif isinstance(value, dict):
             out[key] = profile_from_data(value, file, positions, key, where)
+        elif value is None and key == "calibration":
+            continue
         else:
             raise ScenarioError(file, [(
                 f"profiles.{key}", "a profile name, a path, or an inline profile mapping",

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kvplane.core.plan import KVLayout
 
-from .profiles import DTYPE_BYTES, HardwareProfile, ModelProfile
+from .profiles import DTYPE_BYTES, CalibrationProfile, HardwareProfile, ModelProfile
 
 if TYPE_CHECKING:
     from .config import Scenario
@@ -43,6 +43,7 @@ __all__ = [
     "TransferCost",
     "TransferTiming",
     "attention_pairs",
+    "attention_pairs_capped",
     "kv_pool_blocks",
 ]
 
@@ -54,6 +55,20 @@ def attention_pairs(new_tokens: int, cached_tokens: int = 0) -> float:
     return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2.0
 
 
+def attention_pairs_capped(new_tokens: int, cached_tokens: int, cap: int) -> float:
+    """Pairs when each query attends to at most `cap` keys (query i sees cached + i + 1)."""
+    if new_tokens <= 0:
+        return 0.0
+    first = cached_tokens + 1  # keys the first new query sees
+    last = cached_tokens + new_tokens
+    if last <= cap:
+        return attention_pairs(new_tokens, cached_tokens)
+    if first >= cap:
+        return float(new_tokens) * cap
+    below = cap - first  # queries that see fewer than cap keys: first .. cap - 1
+    return attention_pairs(below, cached_tokens) + float(new_tokens - below) * cap
+
+
 # --- KV geometry ----------------------------------------------------------------------------------
 
 
@@ -61,8 +76,10 @@ def attention_pairs(new_tokens: int, cached_tokens: int = 0) -> float:
 class KVGeometry:
     """The KV cache of one model on one instance: bytes per token and block, descriptors.
 
-    `kv_heads_per_rank` is num_kv_heads / tp, at least 1 (KV heads are replicated when tp
-    exceeds them, as vLLM does).
+    GQA: K and V are separate regions of every layer (`kv_parts` 2), split over TP ranks by KV
+    head (`kv_heads_per_rank` = num_kv_heads / tp, at least 1: heads are replicated when tp
+    exceeds them, as vLLM does). MLA: one latent region per layer (`kv_parts` 1), the whole
+    latent on every rank. Sparse attention adds the indexer's cache, one more region per layer.
     """
 
     num_layers: int
@@ -71,11 +88,21 @@ class KVGeometry:
     kv_dtype_bytes: float
     block_size: int
     tp: int
+    kv_parts: int = KV_PARTS
+    indexer_bytes_per_token: float = 0.0  # per layer, on every rank
 
     @classmethod
     def of(cls, model: ModelProfile, tp: int, block_size: int = 16) -> KVGeometry:
         if tp < 1 or block_size < 1:
             raise ValueError(f"tp and block_size must be >= 1, got tp={tp}, block={block_size}")
+        sparse = model.sparse_attention
+        indexer = (sparse.index_head_dim.value * DTYPE_BYTES[sparse.index_dtype]
+                   if sparse is not None else 0.0)
+        if model.mla is not None:
+            return cls(num_layers=model.num_layers.value, kv_heads_per_rank=1,
+                       head_dim=model.mla.kv_lora_rank.value + model.mla.qk_rope_head_dim.value,
+                       kv_dtype_bytes=DTYPE_BYTES[model.kv_dtype], block_size=block_size, tp=tp,
+                       kv_parts=1, indexer_bytes_per_token=indexer)
         heads = model.num_kv_heads.value
         return cls(
             num_layers=model.num_layers.value,
@@ -84,13 +111,20 @@ class KVGeometry:
             kv_dtype_bytes=DTYPE_BYTES[model.kv_dtype],
             block_size=block_size,
             tp=tp,
+            indexer_bytes_per_token=indexer,
         )
 
     @property
+    def parts(self) -> int:
+        """Regions per layer a block spans (K and V; or the latent; plus the indexer's)."""
+        return self.kv_parts + (1 if self.indexer_bytes_per_token else 0)
+
+    @property
     def bytes_per_token_per_rank(self) -> float:
-        """K and V of every layer for one token, on one rank."""
-        return KV_PARTS * self.num_layers * self.kv_heads_per_rank * self.head_dim * (
-            self.kv_dtype_bytes
+        """Every region of every layer for one token, on one rank."""
+        return self.num_layers * (
+            self.kv_parts * self.kv_heads_per_rank * self.head_dim * self.kv_dtype_bytes
+            + self.indexer_bytes_per_token
         )
 
     @property
@@ -100,12 +134,12 @@ class KVGeometry:
 
     @property
     def region_bytes(self) -> float:
-        """One (layer, K or V, block) region on one rank: the unit a descriptor describes."""
+        """One (layer, K or V or latent, block) region on one rank: what a descriptor describes."""
         return self.block_size * self.kv_heads_per_rank * self.head_dim * self.kv_dtype_bytes
 
     @property
     def bytes_per_block_per_rank(self) -> float:
-        return self.region_bytes * KV_PARTS * self.num_layers
+        return self.block_size * self.bytes_per_token_per_rank
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks needed to hold `tokens` tokens (the last one may be partly filled)."""
@@ -116,8 +150,8 @@ class KVGeometry:
         return max(0, tokens) // self.block_size
 
     def descriptors(self, runs: int) -> int:
-        """Descriptors per rank pair for `runs` contiguous block runs: runs x layers x (K, V)."""
-        return runs * self.num_layers * KV_PARTS
+        """Descriptors per rank pair for `runs` contiguous block runs: runs x layers x parts."""
+        return runs * self.num_layers * self.parts
 
     def transfer_bytes_per_rank(self, blocks: int) -> float:
         """Bytes one rank moves for `blocks` whole blocks."""
@@ -156,7 +190,13 @@ class ComputeCost:
     """Engine-step times of one instance (prefill, decode or mixed batches)."""
 
     def __init__(self, model: ModelProfile, hardware: HardwareProfile, tp: int | None = None,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, calibration: CalibrationProfile | None = None,
+                 expert_parallel: bool = False) -> None:
+        if calibration is None:
+            from .calibration import bundled_calibration
+
+            calibration = bundled_calibration(model, hardware)
+        self.calibration = calibration
         self.model = model
         self.hardware = hardware
         self.tp = tp if tp is not None else hardware.node.tp_size.value
@@ -169,18 +209,33 @@ class ComputeCost:
         # sequence that samples a token, so both stay out of the per-token matmul term.
         self.linear_flops_per_token = 2.0 * matmul_params
         self.lm_head_flops = 2.0 * model.vocab_size.value * model.hidden_size.value
-        # QK^T and PV: 2 matmuls x 2 FLOPs x heads x head_dim per (query, key) pair per layer.
+        # QK^T and PV: 2 FLOPs x heads x (qk width + v width) per (query, key) pair per layer;
+        # GQA: both widths are head_dim; MLA: nope + rope for QK, v_head_dim for PV.
+        mla = model.mla
+        qk = (mla.qk_nope_head_dim.value + mla.qk_rope_head_dim.value if mla
+              else model.head_dim.value)
+        v = mla.v_head_dim.value if mla else model.head_dim.value
         self.attention_flops_per_pair = (
-            4.0 * model.num_layers.value * model.num_attention_heads.value * model.head_dim.value
+            2.0 * model.num_layers.value * model.num_attention_heads.value * (qk + v)
         )
-        self.flops_per_second = (
-            hardware.device.peak_flops_bf16.value
-            * self.tp
-            * hardware.achievable.compute_utilization.value
+        sparse = model.sparse_attention
+        # Sparse attention: a query attends to at most `topk` keys; the indexer scores all.
+        self.attend_cap = sparse.index_topk.value if sparse is not None else None
+        self.indexer_flops_per_pair = (
+            2.0 * model.num_layers.value * sparse.index_n_heads.value
+            * sparse.index_head_dim.value if sparse is not None else 0.0
         )
+        self.indexer_bytes_per_token = self.geometry.num_layers * self.geometry.indexer_bytes_per_token
+        peak = hardware.device.peak_flops_bf16
+        if model.compute_dtype == "fp8":
+            if hardware.device.peak_flops_fp8 is None:
+                raise ValueError(f"{model.name} computes in fp8, but {hardware.name} gives no "
+                                 "device.peak_flops_fp8")
+            peak = hardware.device.peak_flops_fp8
+        self.flops_per_second = peak.value * self.tp * calibration.compute_utilization.value
         self.bytes_per_second = (
             hardware.device.hbm_bandwidth.value
-            * hardware.achievable.memory_bandwidth_utilization.value
+            * calibration.memory_bandwidth_utilization.value
         )
         self._dense_weight_bytes_per_rank = model.total_params.value * wbytes / self.tp
         moe = model.moe
@@ -190,12 +245,25 @@ class ComputeCost:
         self._experts = moe.num_experts.value if moe is not None else 0
         self._top_k = moe.experts_per_token.value if moe is not None else 0
         self.kv_bytes_per_token_per_rank = self.geometry.bytes_per_token_per_rank
-        self.step_overhead = hardware.engine.step_overhead.value
-        self.prefill_request_overhead = hardware.engine.prefill_request_overhead.value
+        self.step_overhead = calibration.step_overhead.value
+        self.prefill_request_overhead = calibration.prefill_request_overhead.value
         self._ar_latency = hardware.tp_collective.allreduce_latency.value
         self._ar_bandwidth = hardware.tp_collective.allreduce_bandwidth.value
         self._ar_per_pass = 2 * model.num_layers.value  # after attention and after the MLP
-        self._activation_bytes_per_token = model.hidden_size.value * DTYPE_BYTES[model.weight_dtype]
+        # Expert parallelism (vLLM --enable-expert-parallel): an MoE layer's experts are spread
+        # over the ranks instead of sliced; its MLP all-reduce becomes an all-to-all that sends
+        # each token to its top-k experts and back.
+        self.expert_parallel = expert_parallel and moe is not None and self.tp > 1
+        self._moe_layers = 0
+        if self.expert_parallel and moe is not None:
+            self._moe_layers = (moe.num_moe_layers.value if moe.num_moe_layers is not None
+                                else model.num_layers.value)
+            self._ar_per_pass -= self._moe_layers
+        a2a = hardware.tp_collective.alltoall_bandwidth
+        self._a2a_bandwidth = a2a.value if a2a is not None else self._ar_bandwidth
+        # what an all-reduce moves: activations, in their own dtype (not the weights')
+        self._activation_bytes_per_token = (model.hidden_size.value
+                                            * DTYPE_BYTES[model.activation_dtype])
 
     # -- pieces ------------------------------------------------------------------------------------
 
@@ -212,11 +280,17 @@ class ComputeCost:
         return shared + self._expert_bytes_per_rank * touched
 
     def allreduce_time(self, tokens: int) -> float:
-        """Two all-reduces per layer of `tokens` x hidden activations; zero without TP."""
+        """TP collectives of one pass: two all-reduces per layer of `tokens` x hidden
+        activations; with expert parallelism an MoE layer's second one is a dispatch and a
+        combine all-to-all of top-k copies of each token. Zero without TP."""
         if self.tp == 1 or tokens <= 0:
             return 0.0
         size = tokens * self._activation_bytes_per_token
-        return self._ar_per_pass * (self._ar_latency + size / self._ar_bandwidth)
+        total = self._ar_per_pass * (self._ar_latency + size / self._ar_bandwidth)
+        if self._moe_layers:
+            moved = size * self._top_k * (self.tp - 1) / self.tp  # what leaves each rank
+            total += self._moe_layers * 2 * (self._ar_latency + moved / self._a2a_bandwidth)
+        return total
 
     def flops(self, tokens: int, attention_pairs_: float, sampled: int) -> float:
         """FLOPs of a step computing `tokens` tokens that attend over `attention_pairs_` pairs."""
@@ -251,12 +325,32 @@ class ComputeCost:
         ) / self.bytes_per_second
         return self.step_overhead + self.allreduce_time(tokens) + max(compute, memory)
 
+    def _pairs(self, new_tokens: int, cached_tokens: int) -> float:
+        """(query, key) pairs priced for a chunk: attention (capped by sparse attention's top-k)
+        plus the indexer's scoring of every pair, in attention-pair units."""
+        full = attention_pairs(new_tokens, cached_tokens)
+        cap = self.attend_cap
+        if cap is None:
+            return full
+        attended = attention_pairs_capped(new_tokens, cached_tokens, cap)
+        return attended + full * self.indexer_flops_per_pair / self.attention_flops_per_pair
+
+    def _kv_read(self, tokens: float, sequences: int = 1) -> float:
+        """Cached tokens whose KV a step reads, in full-KV token units (sparse: the top-k of
+        each sequence, plus the indexer's keys of every token)."""
+        cap = self.attend_cap
+        if cap is None or self.kv_bytes_per_token_per_rank == 0:
+            return tokens
+        attended = min(tokens, float(cap) * max(sequences, 1))
+        index_share = self.indexer_bytes_per_token / self.kv_bytes_per_token_per_rank
+        return attended * (1.0 - index_share) + tokens * index_share
+
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One step that prefills `new_tokens` after `cached_tokens` already in the cache."""
         return self.step_time(
             tokens=new_tokens,
-            attention_pairs_=attention_pairs(new_tokens, cached_tokens),
-            kv_read_tokens=cached_tokens,
+            attention_pairs_=self._pairs(new_tokens, cached_tokens),
+            kv_read_tokens=self._kv_read(cached_tokens),
             sampled=1,
         )
 
@@ -274,10 +368,14 @@ class ComputeCost:
 
     def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
         """A decode-only step: `batch_size` sequences holding `context_tokens` tokens in total."""
+        pairs = float(context_tokens)
+        if self.attend_cap is not None:
+            pairs = (min(pairs, float(self.attend_cap) * batch_size)
+                     + pairs * self.indexer_flops_per_pair / self.attention_flops_per_pair)
         return self.step_time(
             tokens=batch_size,
-            attention_pairs_=float(context_tokens),
-            kv_read_tokens=float(context_tokens),
+            attention_pairs_=pairs,
+            kv_read_tokens=self._kv_read(float(context_tokens), batch_size),
             sampled=batch_size,
         )
 
@@ -290,8 +388,10 @@ class ComputeCost:
         chunk is counted as sampling once (the LM head is < 0.5 % of a chunk's FLOPs).
         """
         tokens = sum(n for n, _ in prefills) + len(decode_contexts)
-        pairs = sum(attention_pairs(n, c) for n, c in prefills) + float(sum(decode_contexts))
-        kv_read = float(sum(c for _, c in prefills) + sum(decode_contexts))
+        pairs = sum(self._pairs(n, c) for n, c in prefills) + sum(
+            self._pairs(1, c - 1) if c > 0 else 0.0 for c in decode_contexts)
+        kv_read = (sum(self._kv_read(float(c)) for _, c in prefills)
+                   + sum(self._kv_read(float(c)) for c in decode_contexts))
         return self.step_time(
             tokens=tokens, attention_pairs_=pairs, kv_read_tokens=kv_read,
             sampled=len(prefills) + len(decode_contexts),
@@ -329,14 +429,22 @@ class TransferCost:
     """NIXL transfer costs over one link kind ('network' between nodes, 'nvlink' inside one)."""
 
     def __init__(self, hardware: HardwareProfile,
-                 link: Literal["network", "nvlink"] = "network") -> None:
+                 link: Literal["network", "nvlink"] = "network",
+                 calibration: CalibrationProfile | None = None) -> None:
         if link not in hardware.links:
             raise ValueError(f"{hardware.name} has no {link!r} link (has {sorted(hardware.links)})")
         spec = hardware.links[link]
         self.hardware = hardware
         self.link = link
+        if spec.utilization is not None:  # measured for the link itself
+            utilization = spec.utilization.value
+        elif calibration is not None:
+            utilization = calibration.network_utilization.value
+        else:
+            raise ValueError(f"{hardware.name}: link {link!r} has no measured utilization; "
+                             "pass the (model kind, hardware) calibration")
         self.bandwidth_per_rank = (
-            spec.bandwidth_per_rail.value * spec.rails_per_device.value * spec.utilization.value
+            spec.bandwidth_per_rail.value * spec.rails_per_device.value * utilization
         )
         self.latency = spec.latency.value
         self.post_fixed = spec.post_fixed.value
@@ -348,7 +456,8 @@ class TransferCost:
         self.unprepped_per_descriptor = nixl.unprepped_per_descriptor.value
         self.dlist_prep_per_descriptor = nixl.dlist_prep_per_descriptor.value
         self.add_remote_agent = nixl.add_remote_agent.value
-        self.reuse_read_setup = nixl.reuse_read_setup.value
+        self.reuse_read_setup = (calibration.reuse_read_setup.value
+                                 if calibration is not None else 0.0)
 
     def prepare_time(self, descriptors: int, prepped: bool = True) -> float:
         """Building the request's descriptors: make_prepped_xfer, or lists + initialize_xfer."""
@@ -466,16 +575,21 @@ class SimCosts:
         *,
         prefill_tp: int | None = None,
         decode_tp: int | None = None,
+        expert_parallel: bool = False,
         link: Literal["network", "nvlink"] = "network",
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         reserve_bytes: float = 4.0e9,
+        calibration: CalibrationProfile | None = None,
     ) -> None:
         self.model = model
         self.hardware = hardware
-        self.prefill = ComputeCost(model, hardware, prefill_tp, block_size)
-        self.decode = ComputeCost(model, hardware, decode_tp, block_size)
-        self.transfer = TransferCost(hardware, link)
+        self.prefill = ComputeCost(model, hardware, prefill_tp, block_size, calibration,
+                                   expert_parallel)
+        self.calibration = self.prefill.calibration
+        self.decode = ComputeCost(model, hardware, decode_tp, block_size, self.calibration,
+                                  expert_parallel)
+        self.transfer = TransferCost(hardware, link, self.calibration)
         self.block_size = block_size
         self.pool_blocks = {
             side: kv_pool_blocks(model, hardware, cost.tp, block_size, gpu_memory_utilization,
@@ -485,13 +599,17 @@ class SimCosts:
 
     @classmethod
     def from_scenario(cls, scenario: Scenario) -> SimCosts:
+        from .calibration import calibration_for
+
         engine = scenario.engine
         return cls(
             scenario.model, scenario.hardware,
             prefill_tp=scenario.prefill_tp, decode_tp=scenario.decode_tp, link=scenario.link,
+            expert_parallel=scenario.cluster.expert_parallel,
             block_size=engine.block_size,
             gpu_memory_utilization=engine.gpu_memory_utilization,
             reserve_bytes=engine.activation_reserve_bytes,
+            calibration=calibration_for(scenario),
         )
 
     # -- the engine's protocol ---------------------------------------------------------------------
@@ -500,17 +618,28 @@ class SimCosts:
         """One prefill step (one chunk) of `new_tokens` after `cached_tokens`."""
         return self.prefill.prefill_time(new_tokens, cached_tokens)
 
+    def prefill_batch_time(self, chunks: list[tuple[int, int]]) -> float:
+        """One prefill engine step computing several requests' chunks, as (new, cached)."""
+        return self.prefill.batch_step_time(prefills=chunks)
+
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         return self.decode.decode_step_time(batch, context_tokens)
 
+    def _regions(self, descriptors: int) -> int:
+        """The core plans K and V regions per layer; a model with another number of regions
+        per layer (MLA: one latent; sparse attention: plus the indexer's) scales its count."""
+        parts = self.prefill.geometry.parts
+        return descriptors if parts == KV_PARTS else -(-descriptors * parts // KV_PARTS)
+
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float:
         tp = self.decode.tp if inline else self.prefill.tp
-        per_rank = -(-descriptors // tp)
+        per_rank = -(-self._regions(descriptors) // tp)
         return self.transfer.prepare_time(per_rank) + self.transfer.post_time(per_rank)
 
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float:
         streams = max(1, streams)
-        return self.transfer.wire_time(nbytes / streams, -(-descriptors // streams))
+        return self.transfer.wire_time(nbytes / streams,
+                                       -(-self._regions(descriptors) // streams))
 
     def handshake_time(self) -> float:
         """First contact: metadata round trip, add_remote_agent, and preparing the peer's
@@ -532,10 +661,17 @@ class SimCosts:
     def layout(self, side: Literal["prefill", "decode"]) -> KVLayout:
         """The core's KVLayout of one side."""
         cost = self.prefill if side == "prefill" else self.decode
+        g = cost.geometry
+        if g.kv_parts == KV_PARTS and not g.indexer_bytes_per_token:
+            heads = self.model.num_kv_heads.value
+            head_bytes = int(self.model.head_dim.value * DTYPE_BYTES[self.model.kv_dtype])
+        else:  # the core's layout knows K and V heads: state the same bytes per token that way
+            heads = 1
+            head_bytes = round(g.bytes_per_token_per_rank / (g.num_layers * KV_PARTS))
         return KVLayout(
             block_size=self.block_size,
             tp=cost.tp,
             num_layers=self.model.num_layers.value,
-            num_kv_heads=self.model.num_kv_heads.value,
-            head_bytes=int(self.model.head_dim.value * DTYPE_BYTES[self.model.kv_dtype]),
+            num_kv_heads=heads,
+            head_bytes=head_bytes,
         )

@@ -69,6 +69,7 @@ class Costs(Protocol):
     """What the engine needs to know about time. Built from model and hardware profiles."""
 
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float: ...
+    def prefill_batch_time(self, chunks: list[tuple[int, int]]) -> float: ...
     def decode_step_time(self, batch: int, context_tokens: int) -> float: ...
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float: ...
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float: ...
@@ -89,6 +90,7 @@ class EngineConfig:
     prefill_blocks: int = 100_000
     decode_blocks: int = 100_000
     pool_run_blocks: float | None = None
+    block_reuse: str = "lifo"
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 8192
     decode_policy: Policy = Policy("least_loaded")  # noqa: RUF009
@@ -133,6 +135,8 @@ class SimRequest:
     reuse_read_s: float = 0.0
     reuse_outcome: str = ""
     runs: int = 0
+    read_runs: int = 0  # runs of the D->P reuse read, when there is one
+    read_blocks: int = 0
     transfer_start: float = -1.0
     transfer_end: float = -1.0
     kv_ready: float = -1.0
@@ -152,88 +156,185 @@ def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     return tuple(format(h, "016x") for h in hashes.tolist())
 
 
-class BlockPool:
-    """Block ids of one instance.
+class FreeBlockQueue:
+    """vLLM v1's queue of free blocks, kept as runs.
 
-    Free blocks form a queue (freed blocks go to the back). With `run_blocks`, allocation cuts
-    what it hands out into contiguous runs of geometric length with that mean, the
-    fragmentation of a long-running server's pool; without it a fresh pool hands out in order.
-    The queue is a list with a moving head, so allocation costs per run, not per block.
+    vLLM puts a freed block without a prefix-cache hash at the front and one with a hash at the
+    back, and only hashed blocks are ever taken out of the middle (a cache hit). So the queue is
+    a deque of runs `(start, length, step)` (step +1 or -1) followed by the hashed blocks in
+    LRU order; allocation pops runs first, then the least recently freed hashed blocks.
     """
 
-    def __init__(self, n: int, run_blocks: float | None, seed: int) -> None:
-        self.queue: list[int] = list(range(n))
-        self.head = 0
+    def __init__(self, n: int) -> None:
+        self.runs: deque[tuple[int, int, int]] = deque([(0, n, 1)] if n else [])
+        self.in_runs = n
+        self.lru: dict[int, None] = {}  # hashed free blocks, least recently freed first
+
+    def __len__(self) -> int:
+        return self.in_runs + len(self.lru)
+
+    def __contains__(self, block: int) -> bool:
+        """Whether a hashed block is free (only hashed blocks are asked about)."""
+        return block in self.lru
+
+    def popleft_n(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n and self.runs:
+            start, length, step = self.runs.popleft()
+            k = min(length, n - len(out))
+            out.extend(range(start, start + step * k, step))
+            if k < length:
+                self.runs.appendleft((start + step * k, length - k, step))
+            self.in_runs -= k
+        if len(out) < n:
+            taken = list(itertools.islice(self.lru, n - len(out)))
+            for b in taken:
+                del self.lru[b]
+            out.extend(taken)
+        return out
+
+    @staticmethod
+    def _as_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+        runs: list[tuple[int, int, int]] = []
+        i = 0
+        while i < len(blocks):
+            start, j = blocks[i], i + 1
+            step = blocks[j] - start if j < len(blocks) and abs(blocks[j] - start) == 1 else 1
+            while j < len(blocks) and blocks[j] == blocks[j - 1] + step:
+                j += 1
+            runs.append((start, j - i, step))
+            i = j
+        return runs
+
+    def prepend_n(self, blocks: list[int]) -> None:
+        self.runs.extendleft(reversed(self._as_runs(blocks)))
+        self.in_runs += len(blocks)
+
+    def append_n(self, blocks: list[int]) -> None:
+        """Hashed blocks go to the LRU tail; others (the synthetic history's skips) end the runs."""
+        self.lru.update(dict.fromkeys(blocks))
+
+    def append_unhashed(self, blocks: list[int]) -> None:
+        self.runs.extend(self._as_runs(blocks))
+        self.in_runs += len(blocks)
+
+    def remove(self, block: int) -> None:
+        del self.lru[block]
+
+
+class BlockPool:
+    """Block ids of one instance, handed out and taken back the way vLLM 0.32's BlockPool does.
+
+    - Allocation takes blocks from the head of the free queue (initially every id in order).
+    - A request's blocks are freed tail first. A block without a prefix-cache hash goes back to
+      the *front* (vLLM 0.32 reuses them LIFO, `reuse="lifo"`), so the next request gets the last
+      one's blocks in reverse order; earlier V1 releases put it at the back (`reuse="fifo"`). A
+      block with a hash goes to the back (FIFO: the cache's LRU order).
+    - A prefix-cache hit takes its cached blocks out of the queue wherever they are (a block
+      shared by several requests is counted per holder); taking a cached block from the head
+      evicts its hash.
+    So how contiguous a transfer's blocks are (its descriptor count) is set by what the
+    instance served before, not by a knob. `run_blocks` keeps a synthetic stand-in for a history
+    the run does not contain: every allocation cut into runs of geometric length, that mean.
+    """
+
+    def __init__(self, n: int, run_blocks: float | None, seed: int,
+                 prefix_caching: bool = False, reuse: str = "lifo") -> None:
+        if reuse not in ("lifo", "fifo"):
+            raise ValueError(f"block reuse must be 'lifo' or 'fifo', not {reuse!r}")
+        self.reuse = reuse
+        self.queue = FreeBlockQueue(n)
         self.capacity = n
         self.run_blocks = run_blocks
         self.rng = np.random.default_rng(seed)
+        self.prefix_caching = prefix_caching
+        self.ref: dict[int, int] = {}
+        self.block_of: dict[int, int] = {}  # prefix hash -> cached block
+        self.hash_of: dict[int, int] = {}  # cached block -> its hash
+        self.reserved = 0  # blocks promised to running requests' future tokens
 
     @property
     def free(self) -> int:
-        return len(self.queue) - self.head
+        return len(self.queue)
 
     def take(self, n: int) -> tuple[int, ...] | None:
         if n > self.free:
             return None
-        q, h = self.queue, self.head
         if self.run_blocks is None:
-            out = q[h:h + n]
-            h += n
-        else:
+            out = self.queue.popleft_n(n)
+        else:  # synthetic history: a free block skipped between geometric runs
             out = []
             for length in self.rng.geometric(1.0 / self.run_blocks, size=n).tolist():
-                take = min(length, n - len(out))
-                out += q[h:h + take]
-                h += take
+                out += self.queue.popleft_n(min(length, n - len(out)))
                 if len(out) >= n:
                     break
-                if len(q) - h > n - len(out):
-                    q.append(q[h])  # skip one free block: the next run starts elsewhere
-                    h += 1
-        if h > 65536 and h > len(q) // 2:
-            del q[:h]
-            h = 0
-        self.head = h
+                if self.free > n - len(out):
+                    self.queue.append_unhashed(self.queue.popleft_n(1))
+        for b in out:
+            self.ref[b] = 1
+            h = self.hash_of.pop(b, None)
+            if h is not None:
+                del self.block_of[h]
         return tuple(out)
 
     def give(self, blocks: tuple[int, ...]) -> None:
-        self.queue.extend(blocks)
+        """Free a request's blocks, tail first."""
+        if self.run_blocks is not None:  # synthetic history: back of the queue, in order
+            for b in blocks:
+                self.ref.pop(b, None)
+            self.queue.append_unhashed(list(blocks))
+            return
+        front: list[int] = []
+        back: list[int] = []
+        for b in reversed(blocks):
+            left = self.ref.get(b, 1) - 1
+            if left > 0:
+                self.ref[b] = left
+                continue
+            self.ref.pop(b, None)
+            (back if b in self.hash_of else front).append(b)
+        if self.reuse == "lifo":
+            self.queue.prepend_n(front)
+        else:  # earlier vLLM V1 releases: every freed block to the back
+            self.queue.append_unhashed(front)
+        self.queue.append_n(back)
 
-
-class PrefixCache:
-    """Prefill's automatic prefix cache: block hashes it holds, least recently used evicted.
-
-    Recency is a stamp per hash, updated in bulk; eviction trims to capacity in batches, so
-    the cost per request is a few C-level dict operations, not a Python loop per block.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.stamp: dict[int, int] = {}
-        self.clock = 0
-
-    def leading_hits(self, hashes: list[int]) -> int:
-        n = 0
-        stamp = self.stamp
-        for h in hashes:
-            if h not in stamp:
+    def hits(self, hashes: list[int], limit: int) -> list[int]:
+        """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks)."""
+        out = []
+        for h in hashes[:limit]:
+            b = self.block_of.get(h)
+            if b is None:
                 break
-            n += 1
-        return n
+            out.append(b)
+        return out
 
-    def touch(self, hashes: list[int]) -> None:
-        self.clock += 1
-        self.stamp.update(dict.fromkeys(hashes, self.clock))
-        if len(self.stamp) > self.capacity * 1.25:
-            keep = sorted(self.stamp.items(), key=lambda kv: kv[1])[-self.capacity:]
-            self.stamp = dict(keep)
+    def free_after_touch(self, blocks: list[int]) -> int:
+        """Free blocks left once `blocks` (cache hits) are taken out of the queue."""
+        return self.free - sum(1 for b in blocks if b in self.queue)
+
+    def touch(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b in self.queue:
+                self.queue.remove(b)
+            self.ref[b] = self.ref.get(b, 0) + 1
+
+    def cache(self, hashes: list[int], blocks: tuple[int, ...]) -> None:
+        """Register the full blocks of a computed prompt in the prefix cache."""
+        if not self.prefix_caching:
+            return
+        for h, b in zip(hashes, blocks, strict=False):
+            if h not in self.block_of and b not in self.hash_of:
+                self.block_of[h] = b
+                self.hash_of[b] = h
 
 
 class Instance:
     def __init__(self, sim: Simulation, name: str, layout: KVLayout, blocks: int,
-                 run_blocks: float | None = None) -> None:
+                 run_blocks: float | None = None, prefix_caching: bool = False) -> None:
         self.sim, self.name, self.layout = sim, name, layout
-        self.pool = BlockPool(blocks, run_blocks, sim.seed_for(name))
+        self.pool = BlockPool(blocks, run_blocks, sim.seed_for(name), prefix_caching,
+                              sim.cfg.block_reuse)
         self.wake = sim.env.event()
         self.nic = simpy.Resource(sim.env, capacity=1)
         self.peers: set[str] = set()
@@ -279,19 +380,35 @@ class Instance:
 
 
 class PrefillInstance(Instance):
+    """A prefill engine scheduled the way vLLM's scheduler does it.
+
+    Every step first continues the running requests' chunked prefills, oldest first, then
+    admits waiting requests while the step's token budget (`max_num_batched_tokens`), the
+    sequence limit (`max_num_seqs`) and free blocks allow; one step computes all the chunks it
+    took, priced together. A request waiting for a D->P reuse read holds its slot and blocks
+    but not the engine (vLLM's WAITING_FOR_REMOTE_KVS): other requests keep stepping.
+    """
+
     def __init__(self, sim: Simulation, name: str) -> None:
         cfg = sim.cfg
-        super().__init__(sim, name, cfg.prefill_layout, cfg.prefill_blocks)
+        super().__init__(sim, name, cfg.prefill_layout, cfg.prefill_blocks,
+                         prefix_caching=cfg.prefill_prefix_caching)
         self.core = P.PrefillCore(name, cfg.prefill_layout, cfg.kv_timeout)
         self.queue: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []  # admitted, computing, oldest first
+        self.loading = 0  # admitted, waiting for a reuse read
+        self.progress: dict[str, int] = {}  # request id -> prompt tokens in the cache so far
+        self.blocks: dict[str, tuple[int, ...]] = {}  # request id -> its prompt's blocks
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
-        self.cache = PrefixCache(self.pool.capacity)
-        self.busy = 0
         sim.env.process(self.loop())
 
+    @property
+    def busy(self) -> int:
+        return len(self.running) + self.loading
+
     def submit(self, r: SimRequest) -> None:
-        """The prefill leg arrives; the per-request overhead (HTTP, tokenizer, scheduling
-        round trips: calibrated, holds no engine) passes before it can be scheduled."""
+        """The prefill leg arrives; the per-request overhead (calibrated, holds no engine)
+        passes before it can be scheduled."""
         r.prefill_received = self.sim.env.now
 
         def enqueue(_: Any) -> None:
@@ -300,62 +417,104 @@ class PrefillInstance(Instance):
 
         self.sim.env.timeout(self.sim.costs.request_overhead()).callbacks.append(enqueue)
 
-    def local_hits(self, r: SimRequest) -> int:
-        """Tokens of the prompt found in this instance's prefix cache (whole leading blocks)."""
+    def local_hits(self, r: SimRequest) -> list[int]:
+        """Cached blocks of the prompt's longest cached prefix (whole blocks, never the last
+        token: vLLM always computes at least one)."""
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
-            return 0
-        n = self.cache.leading_hits(r.hashes.tolist())
-        bs = self.layout.block_size
-        return min(n * bs, max(r.prompt - 1, 0) // bs * bs)
+            return []
+        limit = max(r.prompt - 1, 0) // self.layout.block_size
+        return self.pool.hits(r.hashes.tolist(), limit)
 
     def remember(self, r: SimRequest) -> None:
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return
-        self.cache.touch(r.hashes.tolist())
+        self.pool.cache(r.hashes.tolist(), self.blocks.get(r.id, ()))
+
+    def admit(self) -> None:
+        """Waiting requests, in order, while a sequence slot and their blocks are free."""
+        cfg, env = self.sim.cfg, self.sim.env
+        bs = self.layout.block_size
+        while self.queue and self.busy < cfg.max_num_seqs:
+            r = self.queue[0]
+            hit = self.local_hits(r)
+            # A hit block another running request holds is shared in vLLM; the event log's
+            # ledger (kvplane.core.replay) knows one owner per block, so such a block is
+            # stood in for by a fresh one: the compute is still saved, only its id differs.
+            free_hit = [b for b in hit if b in self.pool.queue]
+            need = -(-r.prompt // bs) - len(free_hit)
+            if self.pool.free_after_touch(free_hit) < need:
+                return  # freed blocks (a finished transfer) wake the loop again
+            self.pool.touch(free_hit)
+            new = self.pool.take(need)
+            assert new is not None
+            fresh = iter(new)
+            owned = set(free_hit)
+            blocks = (*[b if b in owned else next(fresh) for b in hit], *fresh)
+            self.blocks[r.id] = blocks
+            self.queue.popleft()
+            r.prefill_start = env.now
+            self.do(P.Allocate(r.id, 0, blocks))
+            cached = len(hit) * bs
+            if cfg.bidirectional and r.conversation is not None:
+                self.loading += 1
+                env.process(self._read_then_run(r, cached))
+            else:
+                self._run(r, cached)
+
+    def _read_then_run(self, r: SimRequest, cached: int) -> Iterator[Any]:
+        cached = yield from self.sim.router.reuse(self, r, cached)
+        self.loading -= 1
+        self._run(r, cached)
+        self.poke()
+
+    def _run(self, r: SimRequest, cached: int) -> None:
+        r.cached = cached
+        self.progress[r.id] = cached
+        self.sim.rec(PrefillStarted(at=self.sim.env.now, instance=self.name, request=r.id,
+                                    computed_tokens=r.prompt - cached, cached_tokens=cached))
+        self.running.append(r)
 
     def loop(self) -> Iterator[Any]:
         env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
-        bs = self.layout.block_size
         while True:
-            if not self.queue:
+            self.admit()
+            if not self.running:
                 self._rearm()
                 yield self.wake
                 continue
-            r = self.queue[0]
-            blocks = self.pool.take(-(-r.prompt // bs))
-            if blocks is None:
-                self._rearm()
-                yield self.wake
-                continue
-            self.queue.popleft()
-            self.busy += 1
-            r.prefill_start = env.now
-            self.do(P.Allocate(r.id, 0, blocks))
-            cached = self.local_hits(r)
-            if cfg.bidirectional and r.conversation is not None:
-                cached = yield from self.sim.router.reuse(self, r, cached)
-            r.cached = cached
-            self.sim.rec(PrefillStarted(at=env.now, instance=self.name, request=r.id,
-                                        computed_tokens=r.prompt - cached, cached_tokens=cached))
-            t, done = 0.0, cached
-            while done < r.prompt:  # chunked prefill: chunks of the step's token budget
-                chunk = min(cfg.max_num_batched_tokens, r.prompt - done)
-                t += costs.prefill_time(chunk, done)
-                done += chunk
-            r.compute_s = t
+            budget = cfg.max_num_batched_tokens
+            step: list[tuple[SimRequest, int, int]] = []  # (request, new tokens, cached)
+            for r in self.running:
+                if budget <= 0:
+                    break
+                done = self.progress[r.id]
+                n = min(r.prompt - done, budget)
+                step.append((r, n, done))
+                budget -= n
+            t = costs.prefill_batch_time([(n, c) for _, n, c in step])
+            self._rearm()
             yield env.timeout(t)
-            self.remember(r)
-            r.prefill_end = env.now
-            self.busy -= 1
-            events = self.do(P.FinishPrefill(r.id, 0, r.prompt, mode=cfg.mode,
-                                             hold_ttl=cfg.hold_ttl))
-            if cfg.mode == "push":
-                self.start_push(events)
-            else:
-                for e in events:
-                    if isinstance(e, LeaseGranted):
-                        self.expire_at(e.lease, e.expires_at)
-                self.sim.router.relay_metadata(self, r)
+            for r, n, c in step:
+                r.compute_s += t
+                self.progress[r.id] = c + n
+                if c + n >= r.prompt:
+                    self.running.remove(r)
+                    del self.progress[r.id]
+                    self.finish(r)
+
+    def finish(self, r: SimRequest) -> None:
+        cfg = self.sim.cfg
+        self.remember(r)
+        self.blocks.pop(r.id, None)
+        r.prefill_end = self.sim.env.now
+        events = self.do(P.FinishPrefill(r.id, 0, r.prompt, mode=cfg.mode, hold_ttl=cfg.hold_ttl))
+        if cfg.mode == "push":
+            self.start_push(events)
+        else:
+            for e in events:
+                if isinstance(e, LeaseGranted):
+                    self.expire_at(e.lease, e.expires_at)
+            self.sim.router.relay_metadata(self, r)
 
     def start_push(self, events: list[Event]) -> None:
         for e in events:
@@ -403,6 +562,7 @@ class DecodeInstance(Instance):
         self.pulls: deque[tuple[SimRequest, TransferPlanned]] = deque()
         self.recomputes: deque[SimRequest] = deque()
         self.retained: OrderedDict[str, None] = OrderedDict()  # leases, oldest first
+        self.held: dict[str, int] = {}  # request id -> blocks it holds
         self.reader = simpy.Resource(sim.env, capacity=1)
         self.admit_wake = sim.env.event()
         sim.env.process(self.admit_loop())
@@ -422,21 +582,27 @@ class DecodeInstance(Instance):
         self.on_freed()
 
     def admit_loop(self) -> Iterator[Any]:
-        """A request gets its blocks once a sequence slot and enough free blocks exist;
+        """A request gets its prompt's blocks once a sequence slot exists and the pool can hold
+        its whole output too (the output's blocks are taken one by one as tokens need them, as
+        vLLM does; reserving them up front stands in for preemption, which is not modelled);
         retained KV is evicted, oldest lease first, when the pool runs short."""
         env, cfg = self.sim.env, self.sim.cfg
         bs = self.layout.block_size
+        pool = self.pool
         while True:
             busy = len(self.running) + len(self.loading) + len(self.joining)
             blocks = None
             if self.waiting and busy < cfg.max_num_seqs:
                 r = self.waiting[0]
                 need = -(-(r.prompt + r.output) // bs)
-                blocks = self.pool.take(need)
-                while blocks is None and self.retained:
+                now = -(-r.prompt // bs)
+                while pool.free - pool.reserved < need and self.retained:
                     lease, _ = self.retained.popitem(last=False)
                     self.do(Release(lease, "evicted under memory pressure"))
-                    blocks = self.pool.take(need)
+                if pool.free - pool.reserved >= need:
+                    blocks = pool.take(now)
+                    pool.reserved += need - now
+                    self.held[r.id] = now
             if blocks is None:
                 if self.admit_wake.triggered:
                     self.admit_wake = env.event()
@@ -446,9 +612,8 @@ class DecodeInstance(Instance):
 
     def admit(self, r: SimRequest, blocks: tuple[int, ...]) -> None:
         cfg, env = self.sim.cfg, self.sim.env
-        bs = self.layout.block_size
         self.loading.add(r.id)
-        kv_blocks, rest = blocks[: -(-r.prompt // bs)], blocks[-(-r.prompt // bs):]
+        kv_blocks = blocks
         pf = self.sim.prefills[r.prefill]
         if cfg.mode == "push":
             events = self.do(D.ExpectKV(r.id, 0, r.prefill, kv_blocks, r.prompt, pf.layout,
@@ -469,8 +634,6 @@ class DecodeInstance(Instance):
                     self.poke()
                 elif isinstance(e, KVLoadFailed):
                     self.fallback(r)
-        if rest:
-            self.do(D.Allocate(r.id, 0, rest))
 
     def kv_deadline(self, r: SimRequest, at: float) -> None:
         def fire(_: Any) -> None:
@@ -592,8 +755,39 @@ class DecodeInstance(Instance):
         yield self.sim.env.timeout(delay)
         yield from fn(*args)
 
+    def grow(self, steps: int) -> None:
+        """The running requests' output blocks, taken as their tokens cross block boundaries
+        over `steps` steps, in the order the steps cross them (so requests interleave)."""
+        bs, pool = self.layout.block_size, self.pool
+        crossings: list[tuple[int, int, SimRequest]] = []
+        for k, r in enumerate(self.running):
+            held = self.held.get(r.id, 0)
+            final = -(-(r.prompt + r.output) // bs)
+            # step i (1-based) writes token position prompt + done + i - 1
+            first = held * bs - (r.prompt + r.done_tokens) + 1
+            i = max(first, 1)
+            while i <= steps and held < final:
+                crossings.append((i, k, r))
+                held += 1
+                i += bs
+        if not crossings:
+            return
+        crossings.sort(key=lambda c: (c[0], c[1]))
+        got: dict[str, list[int]] = {}
+        taken = pool.take(len(crossings))
+        assert taken is not None, "decode growth exceeded its reservation"
+        pool.reserved -= len(crossings)
+        for (_, _, r), b in zip(crossings, taken, strict=True):
+            got.setdefault(r.id, []).append(b)
+        for r in self.running:
+            new = got.get(r.id)
+            if new:
+                self.held[r.id] = self.held.get(r.id, 0) + len(new)
+                self.do(D.Allocate(r.id, 0, tuple(new)))
+
     def _advance(self, steps: int, durations: list[float], stall: float, start: float) -> None:
         env = self.sim.env
+        self.grow(steps)
         first_end = start + stall + durations[0]
         rest = sum(durations[1:steps])
         still: list[SimRequest] = []
@@ -617,6 +811,9 @@ class DecodeInstance(Instance):
 
     def finish(self, r: SimRequest) -> None:
         cfg = self.sim.cfg
+        bs = self.layout.block_size
+        held = self.held.pop(r.id, 0)
+        self.pool.reserved -= max(0, -(-(r.prompt + r.output) // bs) - held)
         retain = None
         if cfg.bidirectional and r.conversation is not None:
             retain = D.Retain(f"{r.id}/kv", cfg.ttl, cfg.renewable, r.prompt + r.output,
@@ -770,6 +967,7 @@ class Router:
         events = pf.do(P.StartReuseRead(r.id, 0, handle, src, d.layout,
                                         decision.matched_tokens))
         plan = next(e for e in events if isinstance(e, TransferPlanned))
+        r.read_runs, r.read_blocks = plan.runs, len(src)
         descriptors = plan.descriptors
         if cfg.reuse_read_run_blocks is not None:  # retained blocks scattered by churn
             runs = max(1, round(len(src) / cfg.reuse_read_run_blocks))

@@ -4,7 +4,7 @@ Rules kept here:
 - Every numeric constant is a `Sourced` value, written in YAML as `{value: ..., source: "..."}`
   (optionally with `unit:`). A bare number is an error, and so is a source that does not say
   what kind of evidence it is: `datasheet:`, `config:` (a model's published config.json),
-  `published:` (a published measurement), `measured:` (a measurement made here, SPEC.md section 5
+  `published:` (a published measurement), `measured:` (a measurement made here, docs/published.md section 4
   or `kvplane calibrate`), `calibrated:` (fitted to published figures in docs/calibration.md),
   `derived:` (computed from other sourced constants) or `synthetic:` (test-only profiles).
 - Units are SI base units: seconds, bytes, bytes per second, FLOP per second. A field that has a
@@ -29,13 +29,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "DTYPE_BYTES",
     "SOURCE_KINDS",
+    "CalibrationProfile",
+    "Fitted",
     "HardwareProfile",
     "LinkProfile",
+    "MLASpec",
     "MoESpec",
     "ModelProfile",
+    "ScenarioChoice",
     "ScenarioError",
     "Sourced",
     "SourcedInt",
+    "SparseAttentionSpec",
     "bundled_profile_names",
     "load_profile",
     "read_yaml",
@@ -301,7 +306,7 @@ class _Profile(_Strict):
     def _units_match(self) -> _Profile:
         for name, info in type(self).model_fields.items():
             value = getattr(self, name)
-            if not isinstance(value, (Sourced, SourcedInt)) or value.unit is None:
+            if not isinstance(value, (Sourced, SourcedInt, Fitted)) or value.unit is None:
                 continue
             extra = info.json_schema_extra
             expected = extra.get("unit") if isinstance(extra, dict) else None
@@ -323,6 +328,28 @@ class MoESpec(_Profile):
     num_experts: SourcedInt = Field(description="routed experts per MoE layer")
     experts_per_token: SourcedInt = Field(description="routed experts each token uses (top-k)")
     expert_params: Sourced = _u("params", "parameters in all routed experts of all layers")
+    num_moe_layers: SourcedInt | None = _u(
+        "layers", "layers whose MLP is an MoE (default: every layer)", default=None)
+
+
+class MLASpec(_Profile):
+    """Multi-head latent attention: one compressed latent (plus a shared rotary key) per token
+    per layer is cached, the same on every TP rank, in one region per layer."""
+
+    kv_lora_rank: SourcedInt = _u("elements", "width of the cached latent")
+    qk_rope_head_dim: SourcedInt = _u("elements", "rotary key part, cached next to the latent")
+    qk_nope_head_dim: SourcedInt = _u("elements", "per-head query/key width without rotary part")
+    v_head_dim: SourcedInt = _u("elements", "per-head value width")
+
+
+class SparseAttentionSpec(_Profile):
+    """Sparse attention with a lightweight indexer (DeepSeek-V3.2 class): each query attends to
+    at most `index_topk` keys that an indexer picks by scoring every key, with a cache of its own."""
+
+    index_topk: SourcedInt = _u("tokens", "keys each query attends to at most")
+    index_n_heads: SourcedInt = _u("heads", "indexer heads (scoring every key)")
+    index_head_dim: SourcedInt = _u("elements", "indexer head width (also its cache per token)")
+    index_dtype: Dtype = Field(default="fp8", description="dtype of the indexer's keys and cache")
 
 
 class ModelProfile(_Profile):
@@ -346,8 +373,15 @@ class ModelProfile(_Profile):
         "params", "input embedding + LM head parameters (not matmuls per prompt token)"
     )
     moe: MoESpec | None = Field(default=None, description="set for mixture-of-experts models")
+    mla: MLASpec | None = Field(default=None, description="set for multi-head latent attention")
+    sparse_attention: SparseAttentionSpec | None = Field(
+        default=None, description="set for indexer-based sparse attention")
     weight_dtype: Dtype = Field(default="bf16", description="dtype of the weights")
-    kv_dtype: Dtype = Field(default="bf16", description="dtype of the KV cache")
+    kv_dtype: Dtype = Field(default="bf16", description="dtype of the KV cache (apart from weights)")
+    compute_dtype: Literal["bf16", "fp16", "fp8"] = Field(
+        default="bf16", description="dtype of the matmuls: fp8 runs at the device's peak_flops_fp8")
+    activation_dtype: Dtype = Field(
+        default="bf16", description="dtype of activations (what TP all-reduces move)")
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelProfile:
@@ -373,15 +407,6 @@ class DeviceSpec(_Profile):
     hbm_capacity: Sourced = _u("B", "device memory capacity")
 
 
-class Achievable(_Profile):
-    """What a real serving engine gets out of the datasheet numbers on this machine."""
-
-    compute_utilization: Sourced = _u("fraction", "share of peak FLOP/s prefill matmuls reach")
-    memory_bandwidth_utilization: Sourced = _u(
-        "fraction", "share of HBM bandwidth streaming reads (weights, KV) reach"
-    )
-
-
 class NodeSpec(_Profile):
     devices_per_node: SourcedInt = _u("devices", "accelerators in one node")
     tp_size: SourcedInt = _u("devices", "tensor-parallel size an instance uses by default")
@@ -392,15 +417,9 @@ class TPCollective(_Profile):
 
     allreduce_latency: Sourced = _u("s", "fixed time of one small all-reduce")
     allreduce_bandwidth: Sourced = _u("B/s", "algorithm bandwidth of a large all-reduce")
-
-
-class EngineCosts(_Profile):
-    """Serving-engine costs on this machine that no datasheet gives (fitted, see calibration)."""
-
-    step_overhead: Sourced = _u("s", "fixed time of one engine step (schedule, launch, sample)")
-    prefill_request_overhead: Sourced = _u(
-        "s", "per-request delay on the prefill path outside model steps (not holding the engine)"
-    )
+    alltoall_bandwidth: Sourced | None = _u(
+        "B/s", "per-device bandwidth of an expert-parallel all-to-all (default: the "
+        "all-reduce's)", default=None)
 
 
 class LinkProfile(_Profile):
@@ -409,7 +428,9 @@ class LinkProfile(_Profile):
     name: str = Field(description="e.g. 'efa' or 'nvlink'")
     bandwidth_per_rail: Sourced = _u("B/s", "line rate of one rail")
     rails_per_device: SourcedInt = _u("rails", "rails one device's KV is registered on")
-    utilization: Sourced = _u("fraction", "share of the line rate a NIXL transfer reaches")
+    utilization: Sourced | None = _u(
+        "fraction", "share of the line rate a NIXL transfer reaches, when measured for the "
+        "link itself (else the calibration's network_utilization)", default=None)
     latency: Sourced = _u("s", "one-way latency of a small message")
     post_fixed: Sourced = _u("s", "fixed cost of posting one transfer (on the posting thread)")
     post_per_descriptor: Sourced = _u("s", "posting cost per descriptor (on the posting thread)")
@@ -419,7 +440,7 @@ class LinkProfile(_Profile):
 
 
 class NixlCosts(_Profile):
-    """NIXL agent costs: preparation, handshake, one-time set-up (SPEC.md section 5)."""
+    """NIXL agent costs: preparation, handshake, one-time set-up (docs/published.md section 4)."""
 
     prep_fixed: Sourced = _u("s", "make_prepped_xfer fixed cost per request")
     prep_per_descriptor: Sourced = _u("s", "make_prepped_xfer cost per descriptor")
@@ -432,9 +453,6 @@ class NixlCosts(_Profile):
     add_remote_agent: Sourced = _u("s", "loading a peer's agent metadata (first contact)")
     agent_init: Sourced = _u("s", "creating the NIXL agent (start-up, off the request path)")
     register_per_byte: Sourced = _u("s/B", "memory registration per byte (start-up)")
-    reuse_read_setup: Sourced = _u(
-        "s", "fixed coordination time of a D->P reuse read (async receive, pin, completion)"
-    )
 
 
 class HardwareProfile(_Profile):
@@ -444,10 +462,8 @@ class HardwareProfile(_Profile):
     name: str = Field(description="profile name, e.g. 'p5en-h200-tp8'")
     description: str = Field(default="", description="what this is, in words")
     device: DeviceSpec = Field(description="the accelerator")
-    achievable: Achievable = Field(description="achievable fractions of the datasheet numbers")
     node: NodeSpec = Field(description="devices per node and default TP size")
     tp_collective: TPCollective = Field(description="all-reduce cost inside a TP group")
-    engine: EngineCosts = Field(description="serving-engine fixed costs")
     links: dict[str, LinkProfile] = Field(
         description="KV paths by role: 'network' (between nodes) and optionally 'nvlink'"
     )
@@ -470,16 +486,94 @@ class HardwareProfile(_Profile):
         return self
 
 
-PROFILE_TYPES: dict[str, type[ModelProfile | HardwareProfile]] = {
+# --- calibration profile ----------------------------------------------------------------------
+
+
+class Fitted(_Strict):
+    """A constant no datasheet gives, fitted to named published or measured figures."""
+
+    value: float = Field(description="the number, in the SI unit of the field")
+    source: str = Field(description="'calibrated: ...' (how it was fitted) or 'measured: ...'")
+    unit: str | None = Field(default=None, description="optional; must match the field's unit")
+    fitted_to: list[str] = Field(
+        default_factory=list,
+        description="ids of the figures (scenarios/published.yaml) this value was solved from; "
+        "`kvplane validate` counts none of them as a prediction",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _need_source(cls, data: Any) -> Any:
+        return _check_sourced(data)
+
+
+class ScenarioChoice(_Strict):
+    """A scenario input the publications leave open, chosen with their figures in view."""
+
+    scenario: str = Field(description="bundled scenario name")
+    field: str = Field(description="dotted field of the scenario, e.g. 'workload.tool_output_fraction'")
+    value: float | str | None = Field(default=None, description="the value chosen")
+    why: str = Field(description="how it was chosen")
+    fitted_to: list[str] = Field(default_factory=list, description="figure ids it was chosen from")
+
+
+class CalibrationProfile(_Profile):
+    """Efficiencies and engine costs of one (model kind, hardware) pair: what a serving engine
+    gets out of the datasheet numbers, which depends on the model's kernels as much as on the
+    machine. Written by `kvplane calibrate fit`; each value names the figures it was fitted to.
+    """
+
+    kind: Literal["calibration"] = Field(default="calibration", description="profile kind tag")
+    name: str = Field(description="profile name, e.g. 'dense@p5en-h200-tp8'")
+    description: str = Field(default="", description="what this is, in words")
+    model_kind: Literal["dense", "moe"] = Field(
+        description="which models it applies to: dense, or moe (mixture of experts)")
+    hardware: str = Field(description="name of the hardware profile it applies to")
+    compute_utilization: Fitted = _u("fraction", "share of peak FLOP/s prefill matmuls reach")
+    memory_bandwidth_utilization: Fitted = _u(
+        "fraction", "share of HBM bandwidth streaming reads (weights, KV) reach")
+    step_overhead: Fitted = _u("s", "fixed time of one engine step (schedule, launch, sample)")
+    prefill_request_overhead: Fitted = _u(
+        "s", "per-request delay on the prefill path outside model steps (not holding the engine)")
+    network_utilization: Fitted = _u(
+        "fraction", "share of the network link's line rate a NIXL transfer reaches")
+    reuse_read_setup: Fitted = _u(
+        "s", "fixed coordination time of a D->P reuse read (async receive, pin, completion)")
+    scenario_choices: list[ScenarioChoice] = Field(
+        default_factory=list,
+        description="scenario inputs chosen with published figures in view (their figures "
+        "count as fitted too)",
+    )
+
+    def constants(self) -> dict[str, Fitted]:
+        return {name: getattr(self, name) for name, info in type(self).model_fields.items()
+                if info.annotation is Fitted}
+
+    def fitted_figures(self, scenario: str | None = None) -> dict[str, list[str]]:
+        """Figure id -> what was fitted to it (constant names, scenario fields)."""
+        out: dict[str, list[str]] = {}
+        for name, c in self.constants().items():
+            for fid in c.fitted_to:
+                out.setdefault(fid, []).append(name)
+        for choice in self.scenario_choices:
+            if scenario is None or choice.scenario == scenario:
+                for fid in choice.fitted_to:
+                    out.setdefault(fid, []).append(f"{choice.scenario}:{choice.field}")
+        return out
+
+
+PROFILE_TYPES: dict[str, type[ModelProfile | HardwareProfile | CalibrationProfile]] = {
     "model": ModelProfile,
     "hardware": HardwareProfile,
+    "calibration": CalibrationProfile,
 }
-Profile = ModelProfile | HardwareProfile
+Profile = ModelProfile | HardwareProfile | CalibrationProfile
+ProfileKind = Literal["model", "hardware", "calibration"]
 _PROFILES_PACKAGE = "kvplane.scenarios"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def bundled_profile_names(kind: Literal["model", "hardware"] | None = None) -> list[str]:
+def bundled_profile_names(kind: ProfileKind | None = None) -> list[str]:
     """Names of the profiles shipped in kvplane.scenarios/profiles (of one kind, if given)."""
     folder = resources.files(_PROFILES_PACKAGE).joinpath("profiles")
     names = []
@@ -514,8 +608,8 @@ def _profile_text(path_or_name: str | Path) -> tuple[str, str]:
 
 
 def load_profile(
-    path_or_name: str | Path, kind: Literal["model", "hardware"] | None = None
-) -> ModelProfile | HardwareProfile:
+    path_or_name: str | Path, kind: ProfileKind | None = None
+) -> Profile:
     """Read a profile file (or a bundled profile by name) and validate it.
 
     Raises ScenarioError naming the file, the field and what was expected: for YAML syntax, a
@@ -530,9 +624,9 @@ def profile_from_data(
     data: Any,
     file: str,
     positions: _Positions | None = None,
-    kind: Literal["model", "hardware"] | None = None,
+    kind: ProfileKind | None = None,
     prefix: tuple[int | str, ...] = (),
-) -> ModelProfile | HardwareProfile:
+) -> Profile:
     """Validate already-parsed profile data (used for inline profiles in a scenario too)."""
     where = _dotted(prefix, ("kind",))
     line = positions.line_of((*prefix, "kind")) if positions else None
@@ -541,7 +635,8 @@ def profile_from_data(
                                     line)])
     found = data.get("kind", kind)
     if found not in PROFILE_TYPES:
-        raise ScenarioError(file, [(where, "'model' or 'hardware'", _short(found), line)])
+        raise ScenarioError(file, [(where, "'model', 'hardware' or 'calibration'", _short(found),
+                                    line)])
     if kind is not None and found != kind:
         raise ScenarioError(file, [(where, f"a {kind} profile", repr(found), line)])
     cls = PROFILE_TYPES[found]

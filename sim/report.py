@@ -40,6 +40,10 @@ def comparison_table(summary: dict[str, Any]) -> str:
         pa, pb = a["tpot_ms"]["mean"], b["tpot_ms"]["mean"]
         rows.append(f"{qps:>4g} {inp:>6} | {ta:>9.1f} {tb:>9.1f} {tb / ta:>8.2f}x | "
                     f"{pa:>9.2f} {pb:>9.2f} {pb / pa:>8.2f}x")
-    rows.append("published (SPEC.md 4): 8 QPS 16k TTFT pull ~1744 / push ~540 (3.2x); "
-                "TPOT pull ~10.4 / push ~7 at 4-8 QPS 16k; light load ~equal, TPOT 5.6-5.8")
+    from .config import load_published
+
+    figs = load_published()["push_vs_pull"].figures
+    rows.append("published (docs/published.md):")
+    rows += [f"  {f.id}: {f.value:.4g}" if f.value is not None else f"  {f.id}: {f.low:g}-{f.high:g}"
+             for f in figs]
     return "\n".join(rows)

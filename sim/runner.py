@@ -46,6 +46,7 @@ def engine_config(point: Point, costs: SimCosts) -> EngineConfig:
         prefill_blocks=costs.pool_blocks["prefill"],
         decode_blocks=costs.pool_blocks["decode"],
         pool_run_blocks=eng.pool_run_blocks,
+        block_reuse=eng.block_reuse,
         max_num_seqs=eng.max_num_seqs,
         max_num_batched_tokens=eng.max_num_batched_tokens if eng.chunked_prefill else 1 << 30,
         decode_policy=Policy("kv_affinity") if point.bidirectional else routing,

@@ -254,8 +254,10 @@ def test_renewable_lease_must_outlast_its_heartbeat() -> None:
 
 
 def test_published_figure_is_a_value_or_a_range() -> None:
-    PublishedFigure(metric="tpot_ms", low=5.6, high=5.8, source="s")
+    PublishedFigure(id="a", metric="tpot_ms", low=5.6, high=5.8, source="s")
     with pytest.raises(ValidationError):
-        PublishedFigure(metric="tpot_ms", source="s")
+        PublishedFigure(id="a", metric="tpot_ms", source="s")
     with pytest.raises(ValidationError):
-        PublishedFigure(metric="tpot_ms", value=1.0, where={"colour": "red"}, source="s")
+        PublishedFigure(id="a", metric="tpot_ms", value=1.0, where={"colour": "red"}, source="s")
+    with pytest.raises(ValidationError):
+        PublishedFigure(id="a", metric="tpot_ms", value=1.0, low=1.0, high=2.0, source="s")

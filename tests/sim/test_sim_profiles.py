@@ -39,12 +39,18 @@ def sourced_values(model: BaseModel, path: str = "") -> list[tuple[str, Sourced 
 
 
 def test_bundled_profiles() -> None:
-    assert set(bundled_profile_names("model")) == {"qwen3-32b", "llama-3.3-70b", "tiny-test"}
-    assert set(bundled_profile_names("hardware")) == {"p5en-h200-tp8", "cpu-test"}
+    assert set(bundled_profile_names("model")) == {
+        "qwen3-32b", "llama-3.3-70b", "llama-3.1-405b", "deepseek-v3", "deepseek-v3.2-exp",
+        "tiny-test"}
+    assert set(bundled_profile_names("hardware")) == {"p5en-h200-tp8", "p5-h100-tp8", "cpu-test"}
+    assert "calib-dense-p5en-h200-tp8" in bundled_profile_names("calibration")
 
 
-@pytest.mark.parametrize("name", ["qwen3-32b", "llama-3.3-70b", "tiny-test", "p5en-h200-tp8",
-                                  "cpu-test"])
+REAL = ("qwen3-32b", "llama-3.3-70b", "llama-3.1-405b", "deepseek-v3", "deepseek-v3.2-exp",
+        "p5en-h200-tp8", "p5-h100-tp8")
+
+
+@pytest.mark.parametrize("name", [*REAL, "tiny-test", "cpu-test"])
 def test_every_constant_has_a_typed_source(name: str) -> None:
     profile = load_profile(name)
     values = sourced_values(profile)
@@ -52,7 +58,7 @@ def test_every_constant_has_a_typed_source(name: str) -> None:
     for field, value in values:
         kind = value.source.split(":", 1)[0]
         assert kind in SOURCE_KINDS, field
-        if name in ("qwen3-32b", "llama-3.3-70b", "p5en-h200-tp8"):
+        if name in REAL:
             assert kind != "synthetic", f"{field} of a real profile cites a synthetic source"
 
 

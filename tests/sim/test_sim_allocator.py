@@ -1,0 +1,63 @@
+"""The block pool behaves as vLLM 0.32's: head allocation, tail-first frees, LIFO reuse of
+blocks without a hash, LRU order of cached ones, hits taken from the middle."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplane.sim.engine import BlockPool, FreeBlockQueue
+
+
+def test_a_fresh_pool_hands_out_ids_in_order() -> None:
+    pool = BlockPool(10, None, 0)
+    assert pool.take(3) == (0, 1, 2)
+    assert pool.take(8) is None and pool.free == 7
+
+
+def test_lifo_reuse_gives_the_last_request_s_blocks_back_reversed() -> None:
+    pool = BlockPool(10, None, 0, reuse="lifo")
+    a = pool.take(4)
+    pool.give(a)  # freed tail first, put at the front
+    assert pool.take(4) == (3, 2, 1, 0)
+    fifo = BlockPool(10, None, 0, reuse="fifo")
+    fifo.give(fifo.take(4))
+    assert fifo.take(4) == (4, 5, 6, 7)  # earlier releases: freed blocks wait at the back
+    assert fifo.take(6) == (8, 9, 3, 2, 1, 0)
+
+
+def test_cached_blocks_wait_at_the_back_and_hits_take_them_from_the_middle() -> None:
+    pool = BlockPool(8, None, 0, prefix_caching=True)
+    a = pool.take(3)
+    pool.cache([11, 12], a)  # two full blocks get hashes; the partial third does not
+    pool.give(a)
+    assert pool.hits([11, 12, 13], 3) == [0, 1]
+    assert pool.free_after_touch([0, 1]) == 6
+    pool.touch([0, 1])
+    assert pool.free == 6
+    assert pool.take(1) == (2,)  # the unhashed block came back to the front
+    pool.give((0, 1))
+    # everything else first, then the cached blocks in LRU order; taking one evicts its hash
+    assert pool.take(7) == (3, 4, 5, 6, 7, 1, 0)
+    assert pool.hits([11, 12], 2) == []
+
+
+def test_a_shared_block_returns_only_when_its_last_holder_frees_it() -> None:
+    pool = BlockPool(4, None, 0, prefix_caching=True)
+    a = pool.take(2)
+    pool.cache([5, 6], a)
+    pool.touch(list(a))  # a second holder
+    pool.give(a)
+    assert pool.free == 2
+    pool.give(a)
+    assert pool.free == 4
+
+
+def test_the_queue_keeps_runs_and_counts() -> None:
+    q = FreeBlockQueue(6)
+    assert q.popleft_n(2) == [0, 1]
+    q.prepend_n([9, 8, 7, 20])
+    assert list(q.runs)[:2] == [(9, 3, -1), (20, 1, 1)]
+    assert len(q) == 8
+    assert q.popleft_n(5) == [9, 8, 7, 20, 2]
+    with pytest.raises(ValueError):
+        BlockPool(4, None, 0, reuse="random")
