@@ -14,6 +14,7 @@ import itertools
 import math
 
 import pytest
+
 from kvplane.sim.config import load_scenario
 from kvplane.sim.costs import ComputeCost, KVGeometry, TransferCost
 from kvplane.sim.profiles import load_profile

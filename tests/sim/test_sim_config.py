@@ -6,6 +6,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
 from kvplane.sim.config import (
     FixedLease,
     LengthSpec,
@@ -17,7 +19,6 @@ from kvplane.sim.config import (
     load_scenario,
     scenario_from_data,
 )
-from pydantic import ValidationError
 
 MINIMAL = """\
 name: t

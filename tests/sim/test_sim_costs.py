@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from kvplane.sim.costs import (
     ComputeCost,
     KVGeometry,

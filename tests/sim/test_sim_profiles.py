@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
+
 from kvplane.sim.costs import KVGeometry, TransferCost
 from kvplane.sim.profiles import (
     SOURCE_KINDS,
@@ -17,7 +19,6 @@ from kvplane.sim.profiles import (
     bundled_profile_names,
     load_profile,
 )
-from pydantic import BaseModel
 
 PROFILES = Path(__file__).resolve().parents[2] / "scenarios" / "profiles"
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvplane.sim.config import (
     LengthSpec,
     MultiTurnWorkload,
@@ -116,13 +116,11 @@ def test_hash_strings_are_hex() -> None:
     assert len(s) == len(h) and all(len(x) == 16 for x in s)
 
 
-def test_hundred_thousand_multi_turn_requests_are_cheap() -> None:
-    start = time.perf_counter()
+def test_hundred_thousand_multi_turn_requests_are_generated() -> None:
+    # how fast is a benchmark's business (benchmarks/sim_speed.py), not a test's
     batch = generate(CHAT, 100_000, seed=11, max_model_len=32768)
     count = sum(1 for _ in batch)
-    elapsed = time.perf_counter() - start
     assert count == 100_000
-    assert elapsed < 3.0, f"took {elapsed:.2f}s"
 
 
 def test_length_distributions_have_their_means() -> None:
