@@ -192,7 +192,7 @@ class TransferThread:
                 busy |= self._drain()
             except Exception:
                 logger.exception("kvplane: transfer thread failed while polling")
-            if busy or self._inflight:
+            if busy or self._inflight or getattr(self.transport, "busy", False):  # staging
                 idle = 0.0
                 time.sleep(0)
             else:
