@@ -19,9 +19,12 @@ How it works (`Stager`, owned by a `Transport` made with a `StagingConfig`):
   side CUDA stream, or numpy `take` on host memory), WRITEs the slot to the granted slot with a
   LANDED notification, and frees its slot when the WRITE completes. The receiver scatters the
   landed chunk into place (`index_copy_`), frees the slot and grants the next chunk.
-- Done: the holder when every chunk's WRITE completed; the receiver when every chunk is
-  scattered. A staged WRITE's notification reaches the receiver's inbox only then, so "the
-  notification counts as done" keeps holding.
+- Done: the receiver when every chunk is scattered; it then answers DONE, and a staged WRITE
+  is done for its caller only on that answer, so, as with a direct WRITE, "done" means the
+  bytes are in place (a later WRITE to the same place cannot be overwritten by a late
+  scatter). The caller's notification reaches the receiver's inbox after the last scatter, so
+  "the notification counts as done" keeps holding. A holder serving a READ is done when its
+  WRITEs are; the reader when it has scattered everything.
 - A failure (a WRITE that fails, a control message that cannot be sent, the caller's time-out)
   ends the job on both sides with FAIL; slots in use by a copy or WRITE in flight are freed when
   that finishes. A receiving job that hears nothing for `stale_s` is dropped (its holder died).
@@ -326,6 +329,8 @@ class _Job:
     slot_of: dict[int, int] = field(default_factory=dict)
     landed: collections.deque[int] = field(default_factory=collections.deque)
     finished: int = 0
+    acked: bool = False  # a staged WRITE's receiver said every chunk is in place
+    completed: bool = False
     failed: str = ""
     touched: float = 0.0
 
@@ -439,6 +444,10 @@ class Stager:
         elif kind == "landed":
             job.landed.append(int(hdr["chunk"]))
             self._tr(job, f"landed {hdr['chunk']}")
+        elif kind == "done":
+            job.acked = True
+            if job.finished >= job.chunks and not job.failed:
+                self._complete(job)
         elif kind == "fail":
             self._fail(job, f"peer: {hdr.get('reason', 'failed')}", tell=False)
         job.touched = time.monotonic()
@@ -468,10 +477,9 @@ class Stager:
                 self._advance_send(job)
             else:
                 self._advance_recv(job)
-            if not job.failed and job.finished < job.chunks and \
-                    now - job.touched > self.config.stale_s:
+            if not job.failed and not job.completed and now - job.touched > self.config.stale_s:
                 self._fail(job, f"no progress for {self.config.stale_s:g} s", tell=True)
-            if (job.failed or job.finished >= job.chunks) and not job.active:
+            if (job.failed or job.completed) and not job.active:
                 self.jobs.pop(job.key, None)
 
     def _advance_send(self, job: _Job) -> None:
@@ -520,7 +528,11 @@ class Stager:
                 job.finished += 1
                 job.touched = time.monotonic()
                 self._tr(job, f"written {k}")
-                if job.finished >= job.chunks and not job.failed:
+                # Our own WRITE is done when the receiver has scattered it all (as a direct
+                # WRITE is done when its bytes are in place); a holder serving a READ is done
+                # when its WRITEs are.
+                if job.finished >= job.chunks and not job.failed and (
+                        job.acked or job.user is None):
                     self._complete(job)
 
     def _advance_recv(self, job: _Job) -> None:
@@ -576,10 +588,15 @@ class Stager:
     def _complete(self, job: _Job) -> None:
         from kvplane.live.transport import Notification, Status
 
+        if job.completed:
+            return
+        job.completed = True
         self._tr(job, "complete")
         if job.role == "recv":
-            if job.user is None and job.notify:
-                self.t._inbox.append(Notification(job.key[0], job.notify))
+            if job.user is None:  # a peer's staged WRITE: tell it, then deliver its message
+                self.t._agent_notify(job.key[0], encode("done", {"id": job.key[1]}))
+                if job.notify:
+                    self.t._inbox.append(Notification(job.key[0], job.notify))
             elif job.user is not None and job.notify:  # a READ's notification to the holder
                 self.t._agent_notify(job.key[0], job.notify)
         if job.user is not None:
