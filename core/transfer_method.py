@@ -7,7 +7,9 @@ exactly what the live connector would do):
   fragmented block pool: one run per block, layer and K/V).
 - "staged": the data owner gathers the runs into a registered staging slot, moves each slot
   with one descriptor, and the receiver scatters it into place before the transfer counts as
-  done. It costs one control round trip, the copies, and one descriptor per chunk. Where the
+  done. It costs one control round trip, a fixed software cost (control messages, the first
+  and last chunk's bookkeeping), planning per run on both sides (granule indices), the copies,
+  and one descriptor per chunk. Where the
   copies run beside the wire (a GPU's side stream) they overlap with it, and only the first
   gather and the last scatter are exposed; on host memory they share the same cores and memory,
   so they add up.
@@ -37,12 +39,15 @@ class MethodCosts:
     round_trip: float  # s of one control message there and back (the staging handshake)
     chunk_bytes: int  # size of one staging slot: the unit of the pipeline
     overlap: bool  # copies run beside the wire (GPU side stream) rather than after it
+    staged_fixed: float = 0.0  # s of software per staged transfer beyond the round trip
+    plan_per_run: float = 0.0  # s to plan one run's copy, paid on each side
 
     def __post_init__(self) -> None:
         if min(self.bandwidth, self.copy_bandwidth) <= 0 or self.chunk_bytes <= 0:
             raise ValueError("bandwidths and chunk_bytes must be positive")
-        if self.per_descriptor < 0 or self.round_trip < 0:
-            raise ValueError("per_descriptor and round_trip must not be negative")
+        if min(self.per_descriptor, self.round_trip, self.staged_fixed, self.plan_per_run) < 0:
+            raise ValueError("per_descriptor, round_trip, staged_fixed and plan_per_run must "
+                             "not be negative")
 
 
 def direct_time(costs: MethodCosts, nbytes: int, descriptors: int) -> float:
@@ -50,17 +55,18 @@ def direct_time(costs: MethodCosts, nbytes: int, descriptors: int) -> float:
     return descriptors * costs.per_descriptor + nbytes / costs.bandwidth
 
 
-def staged_time(costs: MethodCosts, nbytes: int) -> float:
-    """Gather into slots, one descriptor per slot, scatter on arrival."""
+def staged_time(costs: MethodCosts, nbytes: int, runs: int = 0) -> float:
+    """Gather `runs` runs into slots, one descriptor per slot, scatter on arrival."""
     if nbytes <= 0:
         return 0.0
     chunks = math.ceil(nbytes / costs.chunk_bytes)
     wire = nbytes / costs.bandwidth + chunks * costs.per_descriptor
     copy = nbytes / costs.copy_bandwidth  # one side's gather (or scatter) of every byte
+    fixed = costs.round_trip + costs.staged_fixed + 2 * runs * costs.plan_per_run
     if not costs.overlap:
-        return costs.round_trip + wire + 2 * copy
+        return fixed + wire + 2 * copy
     first = min(nbytes, costs.chunk_bytes) / costs.copy_bandwidth
-    return costs.round_trip + 2 * first + max(wire, copy)
+    return fixed + 2 * first + max(wire, copy)
 
 
 def choose(costs: MethodCosts, nbytes: int, descriptors: int, *,
@@ -68,6 +74,7 @@ def choose(costs: MethodCosts, nbytes: int, descriptors: int, *,
     """The cheaper method for this transfer ("direct" unless staging clearly wins)."""
     if not staging_available or descriptors <= 1:
         return "direct"
-    if staged_time(costs, nbytes) < STAGING_MARGIN * direct_time(costs, nbytes, descriptors):
+    if staged_time(costs, nbytes, descriptors) < STAGING_MARGIN * direct_time(costs, nbytes,
+                                                                         descriptors):
         return "staged"
     return "direct"

@@ -58,11 +58,17 @@ MAGIC = b"\x00kvplane-stage/1 "
 
 # Defaults until a calibrated profile is given (StagingConfig.costs / costs_from_profile):
 # docs/measurements/nixl-h200-1gpu-vram.yaml and nixl-h200-host-dram.yaml.
+# staged_fixed and plan_per_run: what benchmarks/transfer_fragmented.py --trace showed of this
+# module's own software (docs/measurements/transfer-fragmented-h200.md).
+STAGED_FIXED_S = 1e-3
+PLAN_PER_RUN_S = 0.15e-6
 DEFAULT_COSTS: dict[str, MethodCosts] = {
     "VRAM": MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.0e12,
-                        round_trip=150e-6, chunk_bytes=64 << 20, overlap=True),
+                        round_trip=150e-6, chunk_bytes=64 << 20, overlap=True,
+                        staged_fixed=STAGED_FIXED_S, plan_per_run=PLAN_PER_RUN_S),
     "DRAM": MethodCosts(bandwidth=5.5e9, per_descriptor=1.9e-6, copy_bandwidth=5.0e9,
-                        round_trip=200e-6, chunk_bytes=4 << 20, overlap=False),
+                        round_trip=200e-6, chunk_bytes=4 << 20, overlap=False,
+                        staged_fixed=STAGED_FIXED_S, plan_per_run=PLAN_PER_RUN_S),
 }
 
 
@@ -105,6 +111,8 @@ def costs_from_profile(path: str | Path, *, chunk_bytes: int, overlap: bool) -> 
             round_trip=2 * val("small_write_latency_us") * 1e-6,
             chunk_bytes=chunk_bytes,
             overlap=overlap,
+            staged_fixed=STAGED_FIXED_S,
+            plan_per_run=PLAN_PER_RUN_S,
         )
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
         raise ValueError(f"{path}: not a calibration profile with nixl_measured "

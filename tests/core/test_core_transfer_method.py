@@ -51,6 +51,16 @@ def test_host_memory_stages_only_small_pieces() -> None:
     assert choose(HOST, 256 * MiB, 4096, staging_available=True) == "direct"
 
 
+def test_software_costs_keep_small_transfers_direct() -> None:
+    live = MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.5e12,
+                       round_trip=150e-6, chunk_bytes=64 * MiB, overlap=True,
+                       staged_fixed=1e-3, plan_per_run=0.15e-6)
+    assert staged_time(live, 2 << 30, 65536) == pytest.approx(
+        staged_time(GPU, 2 << 30) + 50e-6 + 1e-3 + 2 * 65536 * 0.15e-6)
+    assert choose(live, 2 << 30, 65536, staging_available=True) == "staged"
+    assert choose(live, 32 * MiB, 128, staging_available=True) == "direct"  # 1k tokens, whole
+
+
 def test_bad_costs_are_refused() -> None:
     with pytest.raises(ValueError, match="positive"):
         MethodCosts(0, 1e-6, 1e9, 0, 1, True)
@@ -59,5 +69,5 @@ def test_bad_costs_are_refused() -> None:
 @given(st.integers(1, 1 << 34), st.integers(2, 1 << 20))
 def test_the_choice_is_the_cheaper_estimate(nbytes: int, descriptors: int) -> None:
     got = choose(GPU, nbytes, descriptors, staging_available=True)
-    d, s = direct_time(GPU, nbytes, descriptors), staged_time(GPU, nbytes)
+    d, s = direct_time(GPU, nbytes, descriptors), staged_time(GPU, nbytes, descriptors)
     assert got == ("staged" if s < STAGING_MARGIN * d else "direct")
