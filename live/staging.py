@@ -92,6 +92,26 @@ class StagingConfig:
             raise ValueError(f"force must be 'direct', 'staged' or None, not {self.force!r}")
 
 
+STAGING_ENV = "KVPLANE_STAGING"
+
+
+def staging_for(buffer: Any, setting: str | None = None) -> StagingConfig | None:
+    """The staging a worker's transport gets for KV caches like `buffer`, from `setting` (by
+    default the environment variable KVPLANE_STAGING): "auto" (the default: on for GPU memory,
+    where descriptors cost most and copies are cheap; off for host memory), "on" (both; the
+    estimate decides per transfer), "staged" or "direct" (pool registered, one method always:
+    tests and benchmarks), "off". Host memory gets small slots (4 x 4 MiB), GPU memory
+    4 x 64 MiB."""
+    value = (setting if setting is not None else os.environ.get(STAGING_ENV, "auto")).lower()
+    if value not in ("auto", "on", "off", "staged", "direct"):
+        raise ValueError(f"{STAGING_ENV}={value!r}: expected auto, on, off, staged or direct")
+    gpu = _is_torch(buffer) and buffer.device.type == "cuda"
+    if value == "off" or (value == "auto" and not gpu):
+        return None
+    force: Method | None = value if value in ("staged", "direct") else None  # type: ignore[assignment]
+    return StagingConfig(slot_bytes=(64 if gpu else 4) << 20, slots=4, force=force)
+
+
 def costs_from_profile(path: str | Path, *, chunk_bytes: int, overlap: bool) -> MethodCosts:
     """MethodCosts from a `kvplane calibrate nixl` YAML block (docs/measurements/*.yaml)."""
     import yaml

@@ -24,6 +24,7 @@ from kvplane.live.staging import (
     decode,
     encode,
     granules_of,
+    staging_for,
 )
 from kvplane.live.transport import Status, Transport
 
@@ -295,3 +296,17 @@ def test_staging_config_and_profile_errors_name_the_problem(tmp_path: Path) -> N
     good = costs_from_profile(ROOT / "docs/measurements/nixl-h200-1gpu-vram.yaml",
                               chunk_bytes=64 << 20, overlap=True)
     assert good.bandwidth > 100e9 and good.per_descriptor > 1e-6 and good.copy_bandwidth > 1e11
+
+
+def test_workers_get_staging_by_memory_kind_and_setting() -> None:
+    import torch
+
+    host = torch.zeros(8, dtype=torch.uint8)
+    assert staging_for(host, "auto") is None  # host memory: per-run descriptors unless asked
+    on = staging_for(host, "on")
+    assert on is not None and on.force is None and on.slot_bytes == 4 << 20
+    forced = staging_for(host, "staged")
+    assert forced is not None and forced.force == "staged"
+    assert staging_for(host, "off") is None
+    with pytest.raises(ValueError, match="KVPLANE_STAGING"):
+        staging_for(host, "sometimes")
