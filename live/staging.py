@@ -453,6 +453,12 @@ class Stager:
             if job is not None or runs is None or not self._know(peer, hdr):
                 return
             g, c, n = int(hdr["g"]), int(hdr["c"]), int(hdr["n"])
+            problem = self._bad_request(runs, g, c, n)
+            if problem:  # refuse before any copy: a bad index on a GPU would kill the context
+                logger.warning("%s: refusing staged %s from %s: %s", self.t.name, kind, peer,
+                               problem)
+                self.t._agent_notify(peer, encode("fail", {"id": key[1], "reason": problem}))
+                return
             job = _Job(key, "recv" if kind == "offer" else "send", g, c, n,
                        self.copier.plan(granules_of(runs, g), g), touched=time.monotonic())
             self.jobs[key] = job
@@ -463,14 +469,17 @@ class Stager:
                 if grants:
                     self._send(job, encode("grant", {"id": key[1], "grants": grants}))
             else:
-                job.grants.extend((int(k), int(o)) for k, o in hdr.get("grants", []))
+                job.grants.extend((int(k), int(o)) for k, o in hdr.get("grants", [])
+                                  if 0 <= int(k) < job.chunks)
         elif job is None:
             return
         elif kind == "grant":
-            job.grants.extend((int(k), int(o)) for k, o in hdr["grants"])
+            job.grants.extend((int(k), int(o)) for k, o in hdr["grants"]
+                              if 0 <= int(k) < job.chunks)
             self._tr(job, f"grant {[k for k, _ in hdr['grants']]}")
         elif kind == "landed":
-            job.landed.append(int(hdr["chunk"]))
+            if int(hdr["chunk"]) in job.slot_of:
+                job.landed.append(int(hdr["chunk"]))
             self._tr(job, f"landed {hdr['chunk']}")
         elif kind == "done":
             job.acked = True
@@ -479,6 +488,18 @@ class Stager:
         elif kind == "fail":
             self._fail(job, f"peer: {hdr.get('reason', 'failed')}", tell=False)
         job.touched = time.monotonic()
+
+    def _bad_request(self, runs: Any, g: int, chunk: int, nbytes: int) -> str:
+        """Why a peer's run list cannot be served here ("" when it can)."""
+        off, n = runs[:, 0], runs[:, 1]
+        if g <= 0 or chunk <= 0 or chunk % g or chunk > self.slot_bytes:
+            return f"granule {g} / chunk {chunk} does not fit our {self.slot_bytes}-byte slots"
+        if int(n.sum()) != nbytes or nbytes % g:
+            return "run lengths do not add up to the transfer's bytes"
+        if len(off) and (int(off.min()) < 0 or int((off + n).max()) > self.pool_offset
+                         or bool(((off | n) % g).any()) or int(n.min()) <= 0):
+            return "a run is outside our KV memory or not granule-aligned"
+        return ""
 
     def _know(self, peer: str, hdr: dict[str, Any]) -> bool:
         """The initiator's handshake rides on its first message, so a holder that never

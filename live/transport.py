@@ -44,8 +44,10 @@ pool of staging slots when its layout freezes, and `post` chooses per transfer b
 merged runs ("direct") and a staged transfer (gather, one WRITE per slot, scatter on arrival)
 by the estimate of kvplane.core.transfer_method, when the peer has staging too. A staged
 transfer needs the peer's transport to keep polling (as every transfer does); both its READ and
-its WRITE are carried out as WRITEs by the side that holds the data. `TransferResult.method`
-says which was used.
+its WRITE are carried out as WRITEs by the side that holds the data, and either is done only
+when the bytes are in place on the receiver (as a direct transfer). `TransferResult.method`
+says which was used; `busy` is true while staged jobs (ours or a peer's) are under way, when a
+polling loop should not back off (each step of a staged transfer waits for the next poll).
 """
 
 from __future__ import annotations
@@ -639,7 +641,11 @@ class Transport:
         if p is None:
             return None
         merged = _merged_array(runs)
-        self._check(merged, p)
+        try:
+            self._check(merged, p)
+        except TransportError as exc:  # a grant the peer should not have made
+            logger.warning("%s: staged WRITE refused: %s", self.name, exc)
+            return None
         local_idx, remote_idx = self._indices(merged, p)
         try:
             handle = self._agent.make_prepped_xfer(op, p.local_dlist, local_idx,

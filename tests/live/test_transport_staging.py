@@ -310,3 +310,17 @@ def test_workers_get_staging_by_memory_kind_and_setting() -> None:
     assert staging_for(host, "off") is None
     with pytest.raises(ValueError, match="KVPLANE_STAGING"):
         staging_for(host, "sometimes")
+
+
+def test_a_run_list_outside_our_memory_is_refused_before_any_copy(
+        staged: tuple[Transport, np.ndarray, Peer]) -> None:
+    t, _, _ = staged
+    stager = t._stager
+    assert stager is not None
+    inside = np.array([[0, G], [4 * G, 2 * G]])
+    assert stager._bad_request(inside, G, SLOT, 3 * G) == ""
+    past = np.array([[SIZE - G, 2 * G]])  # runs into the staging pool
+    assert "outside" in stager._bad_request(past, G, SLOT, 2 * G)
+    assert "outside" in stager._bad_request(np.array([[G // 2, G]]), G, SLOT, G)
+    assert "add up" in stager._bad_request(inside, G, SLOT, 4 * G)
+    assert "slots" in stager._bad_request(inside, G, 2 * SLOT, 3 * G)
