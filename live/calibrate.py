@@ -8,6 +8,9 @@ initiator times, each as the median of several repeats:
 - a scattered WRITE of every other 4 KiB granule (nothing merges): its excess over the same
   bytes at full bandwidth, divided by the descriptor count, is the cost per descriptor;
 - a 4 KiB WRITE (latency);
+- a local gather of every other 4 KiB granule into a contiguous buffer (copy bandwidth: what a
+  staged transfer pays to gather, and again to scatter; torch `index_select` on the GPU, numpy
+  `take` on the host);
 - one-time costs: agent creation, registration, add_peer (preparing both descriptor lists).
 The target checks a checksum of what landed, so the figures come from real bytes moved.
 Figures print as a YAML block whose every value carries a `measured:` source naming this
@@ -66,6 +69,28 @@ def _target(conn: Any, nbytes: int, device: str) -> None:
     t.close()
 
 
+def _gather(buf: Any, device: str) -> Any:
+    """A function that gathers every other granule of `buf` (half its bytes) once."""
+    if device == "cuda":
+        import torch
+
+        rows = buf.view(torch.int64).view(-1, GRANULE // 8)
+        idx = torch.arange(0, rows.shape[0], 2, device=buf.device)
+        out = torch.empty((len(idx), GRANULE // 8), dtype=torch.int64, device=buf.device)
+
+        def run() -> None:
+            torch.index_select(rows, 0, idx, out=out)
+            torch.cuda.synchronize(buf.device)
+
+        return run
+    import numpy as np
+
+    rows_np = buf.view(np.int64).reshape(-1, GRANULE // 8)
+    idx_np = np.arange(0, rows_np.shape[0], 2)
+    out_np = np.empty((len(idx_np), GRANULE // 8), dtype=np.int64)
+    return lambda: np.take(rows_np, idx_np, axis=0, out=out_np, mode="clip")
+
+
 def _median(fn: Any, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -119,6 +144,7 @@ def measure(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 5) -> d
         scattered = np.stack([offs, offs, np.full_like(offs, GRANULE)], axis=1)
         scat_s = _median(lambda: go("WRITE", scattered), max(3, repeats // 2))
         small_s = _median(lambda: go("WRITE", [(0, 0, GRANULE)]), repeats * 10)
+        copy_s = _median(_gather(buf, device), repeats)
         here.send("stop")
         t.close()
     finally:
@@ -135,6 +161,7 @@ def measure(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 5) -> d
         "scattered_descriptors": float(n_desc),
         "scattered_write_ms": scat_s * 1e3,
         "small_write_latency_us": small_s * 1e6,
+        "copy_GBps": nbytes / 2 / copy_s / 1e9,
         "agent_create_s": agent_s,
         "register_ms_per_GiB": register_s * 1e3 / (nbytes / 2**30),
         "add_peer_ms": add_peer_s * 1e3,
@@ -148,7 +175,8 @@ def as_profile_yaml(figures: dict[str, float], device: str) -> str:
     lines = ["nixl_measured:"]
     units = {"write_bandwidth_GBps": "GB/s", "read_bandwidth_GBps": "GB/s",
              "per_descriptor_us": "us", "scattered_descriptors": "count",
-             "scattered_write_ms": "ms", "small_write_latency_us": "us", "agent_create_s": "s",
+             "scattered_write_ms": "ms", "small_write_latency_us": "us", "copy_GBps": "GB/s",
+             "agent_create_s": "s",
              "register_ms_per_GiB": "ms/GiB", "add_peer_ms": "ms", "buffer_MiB": "MiB"}
     for key, value in figures.items():
         unit = units.get(key, "")

@@ -192,7 +192,7 @@ class TransferThread:
                 busy |= self._drain()
             except Exception:
                 logger.exception("kvplane: transfer thread failed while polling")
-            if busy or self._inflight:
+            if busy or self._inflight or getattr(self.transport, "busy", False):  # staging
                 idle = 0.0
                 time.sleep(0)
             else:
@@ -325,6 +325,7 @@ class WorkerHalf:
         self._reports = KvplaneMeta()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from kvplane.live.staging import staging_for
         from kvplane.live.transport import Transport
 
         seen: set[int] = set()
@@ -347,7 +348,8 @@ class WorkerHalf:
                 raise ValueError(f"KV cache of {name} differs in geometry from the first layer")
         granule = math.gcd(stride, block_bytes)
         self.transport = Transport(f"{self.instance}-rank{self.rank}-{time.time_ns() % 10**9}",
-                                   granule=granule, progress_thread=self.progress_thread)
+                                   granule=granule, progress_thread=self.progress_thread,
+                                   staging=staging_for(first))
         sizes = []
         for _, t in tensors:
             self.transport.register(t)

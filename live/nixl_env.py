@@ -4,7 +4,10 @@ Rules:
 - Nothing here imports nixl at module import time, so `import kvplane.live...` works without it.
 - The UCX environment is set before the first nixl import, because UCX reads it once per
   process: `UCX_RCACHE_MAX_UNRELEASED=1024` (what vLLM sets, against a rare UCX registration
-  cache leak). A value the caller already exported wins.
+  cache leak), and `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`: UCX's cuda_ipc transport turns GET (a
+  NIXL READ) off when it finds no active NVLink on GPU 0 (one GPU, or GPUs on PCIe), and a READ
+  then crawls through a fallback protocol (0.5 GB/s against 200 GB/s for a WRITE, two processes
+  on one H200; docs/notes/live-findings.md). A value the caller already exported wins.
 - A missing or broken install raises `NixlUnavailable`, whose message names
   scripts/install_live.sh; callers that must not crash (an engine loop) catch it.
 """
@@ -30,9 +33,18 @@ class NixlUnavailable(ImportError):
     """nixl (or its UCX plugin) cannot be loaded here."""
 
 
+# Only where an NVIDIA driver is present: elsewhere UCX warns that the variable is unused.
+CUDA_UCX_DEFAULTS: dict[str, str] = {
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+}
+
+
 def import_nixl_api() -> ModuleType:
     """Return the `nixl._api` module (nixl_agent, nixl_agent_config), importing it on first use."""
-    for key, value in UCX_DEFAULTS.items():
+    defaults = dict(UCX_DEFAULTS)
+    if os.path.exists("/dev/nvidiactl"):
+        defaults.update(CUDA_UCX_DEFAULTS)
+    for key, value in defaults.items():
         os.environ.setdefault(key, value)
     try:
         from nixl import _api  # type: ignore[import-not-found,import-untyped,unused-ignore]

@@ -238,6 +238,12 @@ class ConnectorSettings(_Config):
     pull_hold_extension_s: float = Field(
         default=20.0, gt=0.0, description="how far one hold heartbeat extends the hold [s]"
     )
+    transfer_staging: bool = Field(
+        default=False,
+        description="kvplane's transport: each transfer moves as its runs or staged (gathered "
+        "into slots, one descriptor per slot, scattered), whichever the estimate of "
+        "kvplane.core.transfer_method finds cheaper; posts are priced with the transfer",
+    )
 
 
 # --- workloads ------------------------------------------------------------------------------------

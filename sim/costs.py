@@ -16,6 +16,13 @@ Rules kept here:
 - Where a cost is paid is the driver's business, but the timing record says where it would be
   paid in vLLM: pull mode prepares and posts descriptors inline in decode's engine loop (a stall
   of every running request); push mode does both on prefill's background transfer thread.
+- Staging (`SimCosts(staging=True)`, the scenario's `connector.transfer_staging`): kvplane's
+  own transport, which picks per transfer between one descriptor per run and a staged transfer
+  (gather into slots, one descriptor per slot, scatter) by the rule in
+  kvplane.core.transfer_method, the one the live transport uses. Its inputs come from the link
+  (bandwidth, per-descriptor post and wire cost, latency) and the device (a copy reads and
+  writes every byte: HBM bandwidth x utilization / 2). That transport posts from its own
+  thread, so with staging on the post is priced with the transfer, never in an engine loop.
 
 How a step is priced (roofline with fixed costs):
     step = step_overhead + all-reduce(tokens) + max(FLOPs / (peak * tp * mfu),
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvplane.core.plan import KVLayout
+from kvplane.core.transfer_method import Method, MethodCosts, choose, staged_time
 
 from .profiles import DTYPE_BYTES, CalibrationProfile, HardwareProfile, ModelProfile
 
@@ -48,6 +56,12 @@ __all__ = [
 ]
 
 KV_PARTS = 2  # K and V are stored (and described) separately in every layer
+STAGING_SLOT_BYTES = 64 << 20  # live/staging.py's default slot: the staged pipeline's chunk
+# The live staged path's own software, as benchmarks/transfer_fragmented.py --trace measured it
+# on one H200 (docs/measurements/transfer-fragmented-h200.md): a fixed part per transfer and
+# planning per run on each side.
+STAGED_FIXED_S = 1e-3
+PLAN_PER_RUN_S = 0.15e-6
 
 
 def attention_pairs(new_tokens: int, cached_tokens: int = 0) -> float:
@@ -527,6 +541,29 @@ class TransferCost:
             total_s=setup_s + busy + wire + notify_s,
         )
 
+    def method_costs(self, copy_bandwidth: float,
+                     chunk_bytes: int = STAGING_SLOT_BYTES) -> MethodCosts:
+        """The inputs of the direct-versus-staged rule, for this link."""
+        return MethodCosts(
+            bandwidth=self.bandwidth_per_rank,
+            per_descriptor=self.post_per_descriptor + self.wire_per_descriptor,
+            copy_bandwidth=copy_bandwidth,
+            round_trip=2.0 * self.latency,
+            chunk_bytes=chunk_bytes,
+            overlap=True,  # GPU copies run on a side stream beside the wire
+            staged_fixed=STAGED_FIXED_S,
+            plan_per_run=PLAN_PER_RUN_S,
+        )
+
+    def chosen_transfer(self, bytes_per_rank: float, descriptors: int,
+                        costs: MethodCosts) -> tuple[Method, float]:
+        """Post plus wire by the method the live transport would choose, and that method."""
+        method = choose(costs, int(bytes_per_rank), descriptors, staging_available=True)
+        if method == "staged":
+            return method, self.post_fixed + self.latency + staged_time(
+                costs, int(bytes_per_rank), descriptors)
+        return method, self.transfer_time(bytes_per_rank, descriptors)
+
     def kv_timing(
         self,
         geometry: KVGeometry,
@@ -581,6 +618,7 @@ class SimCosts:
         gpu_memory_utilization: float = 0.9,
         reserve_bytes: float = 4.0e9,
         calibration: CalibrationProfile | None = None,
+        staging: bool = False,
     ) -> None:
         self.model = model
         self.hardware = hardware
@@ -590,6 +628,11 @@ class SimCosts:
         self.decode = ComputeCost(model, hardware, decode_tp, block_size, self.calibration,
                                   expert_parallel)
         self.transfer = TransferCost(hardware, link, self.calibration)
+        self.staging = staging
+        # a staged transfer's gather and scatter stream the KV through HBM: read + write
+        copy_bandwidth = (hardware.device.hbm_bandwidth.value
+                          * self.calibration.memory_bandwidth_utilization.value / 2.0)
+        self.method_costs = self.transfer.method_costs(copy_bandwidth)
         self.block_size = block_size
         self.pool_blocks = {
             side: kv_pool_blocks(model, hardware, cost.tp, block_size, gpu_memory_utilization,
@@ -610,6 +653,7 @@ class SimCosts:
             gpu_memory_utilization=engine.gpu_memory_utilization,
             reserve_bytes=engine.activation_reserve_bytes,
             calibration=calibration_for(scenario),
+            staging=scenario.connector.transfer_staging,
         )
 
     # -- the engine's protocol ---------------------------------------------------------------------
@@ -634,12 +678,26 @@ class SimCosts:
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float:
         tp = self.decode.tp if inline else self.prefill.tp
         per_rank = -(-self._regions(descriptors) // tp)
+        if self.staging:  # the post belongs to the chosen method: see transfer_time
+            return self.transfer.prepare_time(per_rank)
         return self.transfer.prepare_time(per_rank) + self.transfer.post_time(per_rank)
 
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float:
         streams = max(1, streams)
-        return self.transfer.wire_time(nbytes / streams,
-                                       -(-self._regions(descriptors) // streams))
+        per_stream = -(-self._regions(descriptors) // streams)
+        if self.staging:
+            return self.transfer.chosen_transfer(nbytes / streams, per_stream,
+                                                 self.method_costs)[1]
+        return self.transfer.wire_time(nbytes / streams, per_stream)
+
+    def transfer_method(self, nbytes: int, descriptors: int, streams: int) -> Method:
+        """"direct" or "staged": what transfer_time priced (always "direct" without staging)."""
+        if not self.staging:
+            return "direct"
+        streams = max(1, streams)
+        return self.transfer.chosen_transfer(nbytes / streams,
+                                             -(-self._regions(descriptors) // streams),
+                                             self.method_costs)[0]
 
     def handshake_time(self) -> float:
         """First contact: metadata round trip, add_remote_agent, and preparing the peer's

@@ -1,0 +1,80 @@
+"""How to move one transfer's bytes: as its own runs (one descriptor each), or staged.
+
+Rules kept here (the live transport and the simulator both call `choose`, so a what-if prices
+exactly what the live connector would do):
+- "direct": every merged run is one descriptor. Time = descriptors x per-descriptor cost +
+  bytes / link bandwidth. The per-descriptor cost dominates once runs are small and many (a
+  fragmented block pool: one run per block, layer and K/V).
+- "staged": the data owner gathers the runs into a registered staging slot, moves each slot
+  with one descriptor, and the receiver scatters it into place before the transfer counts as
+  done. It costs one control round trip, a fixed software cost (control messages, the first
+  and last chunk's bookkeeping), planning per run on both sides (granule indices), the copies,
+  and one descriptor per chunk. Where the
+  copies run beside the wire (a GPU's side stream) they overlap with it, and only the first
+  gather and the last scatter are exposed; on host memory they share the same cores and memory,
+  so they add up.
+- Staging must win by `STAGING_MARGIN` (what the estimate leaves out: the copies' pull on
+  memory bandwidth, the pool's bookkeeping); staging is only a choice when both sides have a
+  staging pool.
+- Pure arithmetic on the arguments: no clock, no I/O. Units: seconds, bytes, bytes/second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Method = Literal["direct", "staged"]
+STAGING_MARGIN = 0.9  # staged must be estimated at most 90% of direct to be chosen
+
+
+@dataclass(frozen=True, slots=True)
+class MethodCosts:
+    """What the estimate needs, from a calibrated profile (kvplane calibrate nixl)."""
+
+    bandwidth: float  # bytes/s of one large transfer over the path
+    per_descriptor: float  # s each descriptor adds beyond its bytes
+    copy_bandwidth: float  # bytes/s of a gather (or a scatter) of the runs on one side
+    round_trip: float  # s of one control message there and back (the staging handshake)
+    chunk_bytes: int  # size of one staging slot: the unit of the pipeline
+    overlap: bool  # copies run beside the wire (GPU side stream) rather than after it
+    staged_fixed: float = 0.0  # s of software per staged transfer beyond the round trip
+    plan_per_run: float = 0.0  # s to plan one run's copy, paid on each side
+
+    def __post_init__(self) -> None:
+        if min(self.bandwidth, self.copy_bandwidth) <= 0 or self.chunk_bytes <= 0:
+            raise ValueError("bandwidths and chunk_bytes must be positive")
+        if min(self.per_descriptor, self.round_trip, self.staged_fixed, self.plan_per_run) < 0:
+            raise ValueError("per_descriptor, round_trip, staged_fixed and plan_per_run must "
+                             "not be negative")
+
+
+def direct_time(costs: MethodCosts, nbytes: int, descriptors: int) -> float:
+    """One descriptor per merged run."""
+    return descriptors * costs.per_descriptor + nbytes / costs.bandwidth
+
+
+def staged_time(costs: MethodCosts, nbytes: int, runs: int = 0) -> float:
+    """Gather `runs` runs into slots, one descriptor per slot, scatter on arrival."""
+    if nbytes <= 0:
+        return 0.0
+    chunks = math.ceil(nbytes / costs.chunk_bytes)
+    wire = nbytes / costs.bandwidth + chunks * costs.per_descriptor
+    copy = nbytes / costs.copy_bandwidth  # one side's gather (or scatter) of every byte
+    fixed = costs.round_trip + costs.staged_fixed + 2 * runs * costs.plan_per_run
+    if not costs.overlap:
+        return fixed + wire + 2 * copy
+    first = min(nbytes, costs.chunk_bytes) / costs.copy_bandwidth
+    return fixed + 2 * first + max(wire, copy)
+
+
+def choose(costs: MethodCosts, nbytes: int, descriptors: int, *,
+           staging_available: bool) -> Method:
+    """The cheaper method for this transfer ("direct" unless staging clearly wins)."""
+    if not staging_available or descriptors <= 1:
+        return "direct"
+    if staged_time(costs, nbytes, descriptors) < STAGING_MARGIN * direct_time(costs, nbytes,
+                                                                         descriptors):
+        return "staged"
+    return "direct"

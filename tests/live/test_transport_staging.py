@@ -1,0 +1,326 @@
+"""Staged transfers through the real NIXL transport (UCX, host memory, two processes).
+
+A fragmented run list (one granule per run, scattered on both sides) is moved through staging
+slots small enough that one transfer needs many chunks and several grant rounds; every byte is
+checked where it landed. No test asserts a duration (benchmarks/transfer_fragmented.py times).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvplane.core.transfer_method import MethodCosts
+from kvplane.live.staging import (
+    StagingConfig,
+    costs_from_profile,
+    decode,
+    encode,
+    granules_of,
+    staging_for,
+)
+from kvplane.live.transport import Status, Transport
+
+pytestmark = pytest.mark.live
+
+G = 4096
+SIZE = 2 << 20  # per side: 512 granules
+SLOT = 16 * G  # 64 KiB slots: 200 granules need 13 chunks
+STAGING = StagingConfig(slot_bytes=SLOT, slots=2)
+TIMEOUT = 30.0
+REPLY = 60.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pattern(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _peer_main(conn: Connection, name: str, seed: int, staging: bool, knows: bool) -> None:
+    t = Transport(name, granule=G, staging=STAGING if staging else None)
+    buf = pattern(SIZE, seed)
+    t.register(buf)
+    conn.send(t.local_info())
+    info = conn.recv()
+    if knows:
+        t.add_peer(info)
+    conn.send("ready")
+    while True:
+        t.progress()
+        if not conn.poll(0.0002):
+            continue
+        cmd, *args = conn.recv()
+        if cmd == "pieces":  # the granules at these offsets, in order
+            conn.send(b"".join(buf[o:o + G].tobytes() for o in args[0]))
+        elif cmd == "notif":
+            n = t.wait_notification(args[0], args[1])
+            conn.send(None if n is None else n.message)
+        elif cmd == "inbox":
+            conn.send([n.message for n in t.notifications()])
+        elif cmd == "slots":
+            s = t._stager
+            conn.send(None if s is None else (len(s.free_send), len(s.free_recv), len(s.jobs)))
+        elif cmd == "die":
+            os._exit(17)
+        elif cmd == "exit":
+            t.close()
+            conn.send("bye")
+            return
+
+
+class Peer:
+    def __init__(self, parent: Transport, name: str, seed: int, *, staging: bool = True,
+                 knows: bool = True) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.seed = seed
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, seed, staging, knows),
+                                daemon=True)
+        self.proc.start()
+        info = self.recv(None)
+        self.conn.send(parent.local_info())
+        self.name = parent.add_peer(info)
+        assert self.recv(parent) == "ready"
+
+    def recv(self, t: Transport | None, timeout: float = REPLY) -> Any:
+        waited = 0.0
+        while not self.conn.poll(0.0005):
+            if t is not None:
+                t.progress()
+            waited += 0.0005
+            if waited > timeout or not self.proc.is_alive():
+                raise AssertionError(f"peer did not answer (alive={self.proc.is_alive()})")
+        return self.conn.recv()
+
+    def ask(self, t: Transport, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        return self.recv(t)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+                self.conn.poll(10)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _parent(force: str | None, costs: MethodCosts | None = None) -> tuple[Transport, Any]:
+    t = Transport(f"kvplane-stage-parent-{os.getpid()}-{force}", granule=G,
+                  staging=StagingConfig(slot_bytes=SLOT, slots=2, force=force,  # type: ignore[arg-type]
+                                        costs=costs))
+    buf = np.zeros(SIZE, dtype=np.uint8)
+    t.register(buf)
+    return t, buf
+
+
+@pytest.fixture(scope="module")
+def staged() -> Iterator[tuple[Transport, np.ndarray, Peer]]:
+    t, buf = _parent("staged")
+    p = Peer(t, f"kvplane-stage-peer-{os.getpid()}", seed=5)
+    yield t, buf, p
+    p.stop()
+    t.close()
+
+
+def scattered(seed: int, n: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.choice(SIZE // G, n, replace=False) * G, rng.choice(SIZE // G, n, replace=False) * G)
+
+
+def runs_of(local: np.ndarray, remote: np.ndarray) -> np.ndarray:
+    return np.stack([local, remote, np.full_like(local, G)], axis=1)
+
+
+def test_staged_write_lands_every_piece_and_notifies_after_the_last_scatter(
+        staged: tuple[Transport, np.ndarray, Peer]) -> None:
+    t, buf, peer = staged
+    buf[:] = pattern(SIZE, 31)
+    src, dst = scattered(1)
+    res = t.transfer(peer.name, "WRITE", runs_of(src, dst), notify=b"kv:req-1", timeout=TIMEOUT)
+    assert res.status is Status.DONE, res
+    assert res.method == "staged" and res.descriptors == 13  # 200 granules / 16 per slot
+    assert peer.ask(t, "notif", b"kv:req-1", TIMEOUT) == b"kv:req-1"
+    expected = b"".join(buf[s:s + G].tobytes() for s in src)
+    assert peer.ask(t, "pieces", [int(d) for d in dst]) == expected
+    # staging's own messages never reach the caller's inbox, the notification came once
+    assert peer.ask(t, "inbox") == []
+    assert peer.ask(t, "slots") == (2, 2, 0)  # every slot back, no job left
+
+
+def test_staged_read_is_written_by_the_holder(staged: tuple[Transport, np.ndarray, Peer]) -> None:
+    t, buf, peer = staged
+    buf[:] = 0
+    ours, theirs = scattered(2, 150)
+    res = t.transfer(peer.name, "READ", runs_of(ours, theirs), notify=b"read-done",
+                     timeout=TIMEOUT)
+    assert res.status is Status.DONE, res
+    assert res.method == "staged"
+    expected = peer.ask(t, "pieces", [int(o) for o in theirs])
+    assert b"".join(buf[o:o + G].tobytes() for o in ours) == expected
+    untouched = np.setdiff1d(np.arange(SIZE // G) * G, ours)
+    assert not any(buf[o:o + G].any() for o in untouched)
+    # like a NIXL READ's notification, it reaches the holder after the data is in place
+    assert peer.ask(t, "notif", b"read-done", TIMEOUT) == b"read-done"
+
+
+def test_a_holder_that_never_added_its_reader_still_writes_to_it() -> None:
+    """Pull mode: decode knows prefill, prefill need not know decode; the READ's first message
+    carries the reader's handshake."""
+    t, buf = _parent("staged")
+    peer = Peer(t, f"kvplane-stage-stranger-{os.getpid()}", seed=9, knows=False)
+    try:
+        ours, theirs = scattered(3, 64)
+        res = t.transfer(peer.name, "READ", runs_of(ours, theirs), timeout=TIMEOUT)
+        assert res.status is Status.DONE and res.method == "staged", res
+        expected = peer.ask(t, "pieces", [int(o) for o in theirs])
+        assert b"".join(buf[o:o + G].tobytes() for o in ours) == expected
+    finally:
+        peer.stop()
+        t.close()
+
+
+def test_the_estimate_chooses_staging_for_fragments_and_direct_for_runs() -> None:
+    # host-like costs where 4 KiB descriptors cost more than copying them twice
+    costs = MethodCosts(bandwidth=5e9, per_descriptor=20e-6, copy_bandwidth=5e9,
+                        round_trip=100e-6, chunk_bytes=SLOT, overlap=False)
+    t, buf = _parent(None, costs)
+    peer = Peer(t, f"kvplane-stage-auto-{os.getpid()}", seed=4)
+    try:
+        buf[:] = pattern(SIZE, 41)
+        src, dst = scattered(4)
+        frag = t.transfer(peer.name, "WRITE", runs_of(src, dst), notify=b"f", timeout=TIMEOUT)
+        whole = t.transfer(peer.name, "WRITE", [(0, 0, 200 * G)], notify=b"w", timeout=TIMEOUT)
+        assert (frag.method, whole.method) == ("staged", "direct")
+        assert frag.ok and whole.ok
+        assert peer.ask(t, "notif", b"w", TIMEOUT) == b"w"
+        assert peer.ask(t, "pieces", [i * G for i in range(200)]) == buf[:200 * G].tobytes()
+    finally:
+        peer.stop()
+        t.close()
+
+
+def test_a_peer_without_staging_gets_direct_transfers() -> None:
+    t, buf = _parent("staged")
+    peer = Peer(t, f"kvplane-stage-plain-{os.getpid()}", seed=6, staging=False)
+    try:
+        buf[:] = pattern(SIZE, 51)
+        src, dst = scattered(5, 40)
+        res = t.transfer(peer.name, "WRITE", runs_of(src, dst), notify=b"p", timeout=TIMEOUT)
+        assert res.ok and res.method == "direct" and res.descriptors == 40
+        assert peer.ask(t, "notif", b"p", TIMEOUT) == b"p"
+        expected = b"".join(buf[s:s + G].tobytes() for s in src)
+        assert peer.ask(t, "pieces", [int(d) for d in dst]) == expected
+    finally:
+        peer.stop()
+        t.close()
+
+
+def test_a_dead_peer_fails_the_staged_transfer_and_leaks_no_slot(
+        staged: tuple[Transport, np.ndarray, Peer]) -> None:
+    t, buf, healthy = staged
+    doomed = Peer(t, f"kvplane-stage-doomed-{os.getpid()}", seed=8)
+    try:
+        src, dst = scattered(6, 32)
+        assert t.transfer(doomed.name, "WRITE", runs_of(src, dst), timeout=TIMEOUT).ok
+        doomed.conn.send(("die",))
+        doomed.proc.join(30)
+        assert doomed.proc.exitcode == 17
+        for op in ("WRITE", "READ"):
+            res = t.transfer(doomed.name, op, runs_of(src, dst), timeout=5.0)
+            assert res.status in (Status.FAILED, Status.TIMED_OUT) and res.reason, res
+        stager = t._stager
+        assert stager is not None
+        for _ in range(200):  # failed jobs end once their copies and WRITEs have
+            t.progress()
+            if not stager.jobs:
+                break
+        assert not stager.jobs and len(stager.free_send) == 2
+        # the healthy peer is still served, staged
+        buf[:] = pattern(SIZE, 61)
+        src, dst = scattered(7, 50)
+        res = t.transfer(healthy.name, "WRITE", runs_of(src, dst), notify=b"after",
+                         timeout=TIMEOUT)
+        assert res.ok and res.method == "staged", res
+        assert healthy.ask(t, "notif", b"after", TIMEOUT) == b"after"
+        assert healthy.ask(t, "pieces", [int(d) for d in dst]) == b"".join(
+            buf[s:s + G].tobytes() for s in src)
+    finally:
+        t.remove_peer(doomed.name)
+        doomed.stop()
+
+
+# ---- pieces without NIXL --------------------------------------------------------------------------
+
+
+def test_control_messages_round_trip_and_compress_a_kv_layout() -> None:
+    rng = np.random.default_rng(0)
+    piece, pool, blocks = 32768, 2048, rng.permutation(2048)[:1024]
+    base = np.arange(64) // 2 * 2 * pool * piece + np.arange(64) % 2 * pool * piece
+    offs = (base[:, None] + blocks[None, :] * piece).ravel()
+    runs = np.stack([offs, np.full_like(offs, piece)], axis=1)
+    msg = encode("offer", {"id": "a/1"}, runs, piece)
+    kind, header, back = decode(msg)
+    assert (kind, header["id"]) == ("offer", "a/1")
+    assert (back == runs).all()
+    assert len(msg) < 32 * 1024  # 65,536 runs: the per-layer block pattern repeats
+    wide = np.array([[0, 8], [2**40, 8]])  # offsets past int32 in granules
+    assert (decode(encode("pull", {"id": "b"}, wide, 8))[2] == wide).all()
+
+
+def test_granules_follow_the_run_order() -> None:
+    runs = np.array([[8 * G, 2 * G], [0, G], [4 * G, 3 * G]])
+    assert granules_of(runs, G).tolist() == [8, 9, 0, 4, 5, 6]
+
+
+def test_staging_config_and_profile_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        StagingConfig(slot_bytes=0)
+    with pytest.raises(ValueError, match="force"):
+        StagingConfig(force="fast")  # type: ignore[arg-type]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nixl_measured: {write_bandwidth_GBps: {value: 1}}\n")
+    with pytest.raises(ValueError, match="bad.yaml"):
+        costs_from_profile(bad, chunk_bytes=SLOT, overlap=False)
+    good = costs_from_profile(ROOT / "docs/measurements/nixl-h200-1gpu-vram.yaml",
+                              chunk_bytes=64 << 20, overlap=True)
+    assert good.bandwidth > 100e9 and good.per_descriptor > 1e-6 and good.copy_bandwidth > 1e11
+
+
+def test_workers_get_staging_by_memory_kind_and_setting() -> None:
+    import torch
+
+    host = torch.zeros(8, dtype=torch.uint8)
+    assert staging_for(host, "auto") is None  # host memory: per-run descriptors unless asked
+    on = staging_for(host, "on")
+    assert on is not None and on.force is None and on.slot_bytes == 4 << 20
+    forced = staging_for(host, "staged")
+    assert forced is not None and forced.force == "staged"
+    assert staging_for(host, "off") is None
+    with pytest.raises(ValueError, match="KVPLANE_STAGING"):
+        staging_for(host, "sometimes")
+
+
+def test_a_run_list_outside_our_memory_is_refused_before_any_copy(
+        staged: tuple[Transport, np.ndarray, Peer]) -> None:
+    t, _, _ = staged
+    stager = t._stager
+    assert stager is not None
+    inside = np.array([[0, G], [4 * G, 2 * G]])
+    assert stager._bad_request(inside, G, SLOT, 3 * G) == ""
+    past = np.array([[SIZE - G, 2 * G]])  # runs into the staging pool
+    assert "outside" in stager._bad_request(past, G, SLOT, 2 * G)
+    assert "outside" in stager._bad_request(np.array([[G // 2, G]]), G, SLOT, G)
+    assert "add up" in stager._bad_request(inside, G, SLOT, 4 * G)
+    assert "slots" in stager._bad_request(inside, G, 2 * SLOT, 3 * G)
