@@ -174,8 +174,8 @@ def cache_regions(kv_caches: dict[str, Any]) -> list[CacheRegion]:
         t = kv_caches[name]
         if isinstance(t, (list, tuple)):
             raise ValueError(  # noqa: TRY004 - a layout we refuse, like the others
-                f"KV cache of {name} is split in {len(t)} tensors (separate K "
-                             "and V); kvplane needs one tensor per layer")
+                f"KV cache of {name} is split in {len(t)} tensors (separate K and V); "
+                "kvplane needs one tensor per layer")
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
