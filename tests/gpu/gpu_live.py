@@ -193,7 +193,7 @@ def _device_name() -> str:
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """The servers; a module that borrows these tests may set SERVER_ENV (extra environment
-    for the servers with the connector)."""
+    for the servers with the connector) and SERVER_ARGS (extra vLLM arguments for all three)."""
     _servers.require_vllm()
     import vllm
 
@@ -206,9 +206,12 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
            "decoder_kv_blocks_ttl": 120, "write_margin": 1.0}
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     extra = dict(getattr(request.module, "SERVER_ENV", {}))
-    prefill = DeviceServer("prefill", model, logs, connector=dict(cfg), env={**env, **extra})
-    decode = DeviceServer("decode", model, logs, connector=dict(cfg), env={**env, **extra})
-    plain = DeviceServer("plain", model, logs, env=dict(env))
+    args = list(getattr(request.module, "SERVER_ARGS", []))
+    prefill = DeviceServer("prefill", model, logs, connector=dict(cfg), env={**env, **extra},
+                           extra_args=list(args))
+    decode = DeviceServer("decode", model, logs, connector=dict(cfg), env={**env, **extra},
+                          extra_args=list(args))
+    plain = DeviceServer("plain", model, logs, env=dict(env), extra_args=list(args))
     started = time.monotonic()
     start_all([prefill, decode, plain], timeout=480)
     print(f"\nthree servers healthy after {time.monotonic() - started:.0f} s; logs in {logs}")
