@@ -42,13 +42,19 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Any:
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise NotImplementedError(f"KvplaneConnector needs one KV cache group, got {len(groups)}")
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise NotImplementedError(
+            f"KvplaneConnector moves one KV cache group; this model has {len(groups)} "
+            f"({kinds}: sliding-window or hybrid layers). Serve it without kvplane, or with "
+            "--disable-hybrid-kv-cache-manager so that vLLM keeps one group")
     spec = groups[0].kv_cache_spec
     num_layers = len(groups[0].layer_names)
+    mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+    # MLA caches one latent per token and layer, the same on every TP rank: one "head"
+    heads = 1 if mla else int(vllm_config.model_config.get_total_num_kv_heads())
     return KVLayout(block_size=int(spec.block_size),
                     tp=int(vllm_config.parallel_config.tensor_parallel_size),
-                    num_layers=num_layers,
-                    num_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+                    num_layers=num_layers, num_kv_heads=heads,
                     head_bytes=int(spec.head_size) * int(spec.dtype.itemsize))
 
 
@@ -58,7 +64,6 @@ def _build() -> dict[str, Any]:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorRole,
-        KVConnectorTransferResults,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
@@ -66,13 +71,19 @@ def _build() -> dict[str, Any]:
     )
     from vllm.v1.metrics.utils import create_metric_per_engine
 
+    from kvplane.live import vllm_compat
     from kvplane.live.connector_config import ConnectorConfig
     from kvplane.live.connector_scheduler import SchedulerHalf
     from kvplane.live.connector_wire import KvplaneMeta, KvplaneWorkerMeta
     from kvplane.live.connector_worker import WorkerHalf
     from kvplane.live.recording import open_recorder
+    from kvplane.live.transport import nixl_backend
 
     logger = logging.getLogger("kvplane.live.connector")
+    api = vllm_compat.detect()
+    # vLLM's log handler covers the "vllm" namespace: this line shows in the server's log
+    logging.getLogger("vllm.kvplane").info("KvplaneConnector for vLLM %s (%s)", api.version,
+                                           api.results)
 
     class KvplaneStats(KVConnectorStats):  # type: ignore[misc]
         """Bytes, descriptors and seconds of the transfers a worker finished, per interval."""
@@ -143,6 +154,12 @@ def _build() -> dict[str, Any]:
             self.sched: SchedulerHalf | None = None
             self.worker: WorkerHalf | None = None
             self._last_meta: Any = None
+            # 0.25.1 recomputes a failed load only by block id: the blocks each waiting load
+            # fills, kept from allocation until the load ends (see vllm_compat)
+            self._local_tokens: dict[str, int] = {}
+            self._load_blocks: dict[str, tuple[int, ...]] = {}
+            self._load_errors: set[int] = set()
+            backend = nixl_backend((ktc.kv_connector_extra_config or {}).get("backends", "UCX"))
             if role == KVConnectorRole.SCHEDULER:
                 if vllm_config.cache_config.enable_prefix_caching:
                     logger.warning(
@@ -163,25 +180,38 @@ def _build() -> dict[str, Any]:
                 rank = int(get_tp_group().rank_in_group)
                 self.worker = WorkerHalf(
                     self.cfg.instance, rank, progress_thread=self.cfg.progress_thread,
-                    post_to=(self.cfg.side_channel_host, self.cfg.side_channel_port))
+                    post_to=(self.cfg.side_channel_host, self.cfg.side_channel_port),
+                    backend=backend)
 
         # ---- scheduler side ----------------------------------------------------------------
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                        ) -> tuple[int | None, bool]:
             assert self.sched is not None
+            if not api.reports_failed_requests:
+                self._local_tokens[request.request_id] = int(num_computed_tokens)
             return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
         def update_state_after_alloc(self, request: Any, blocks: Any,
                                      num_external_tokens: int) -> None:
             assert self.sched is not None
             ids = blocks.get_block_ids()
-            self.sched.update_state_after_alloc(request, list(ids[0]) if ids else [],
-                                                num_external_tokens)
+            block_ids = list(ids[0]) if ids else []
+            if not api.reports_failed_requests and num_external_tokens > 0:
+                self._load_blocks[request.request_id] = vllm_compat.load_error_blocks(
+                    block_ids, self._local_tokens.get(request.request_id, 0),
+                    num_external_tokens, self.sched.layout.block_size)
+            self.sched.update_state_after_alloc(request, block_ids, num_external_tokens)
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             assert self.sched is not None
-            return self.sched.build_connector_meta()
+            meta = self.sched.build_connector_meta()
+            if not api.reports_failed_requests:
+                for rid in meta.finished_recving:
+                    blocks = self._load_blocks.pop(rid, ())
+                    if rid in meta.failed_recving:
+                        meta.load_error_blocks.update(blocks)
+            return meta
 
         def update_connector_output(self, connector_output: Any) -> None:
             assert self.sched is not None
@@ -197,6 +227,8 @@ def _build() -> dict[str, Any]:
         def request_finished(self, request: Any, block_ids: list[int]
                              ) -> tuple[bool, dict[str, Any] | None]:
             assert self.sched is not None
+            self._local_tokens.pop(request.request_id, None)
+            self._load_blocks.pop(request.request_id, None)
             return self.sched.request_finished(request, block_ids)
 
         def has_pending_push_work(self) -> bool:
@@ -248,13 +280,30 @@ def _build() -> dict[str, Any]:
         def wait_for_save(self) -> None:
             return
 
-        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            if self.worker is None:
-                return KVConnectorTransferResults()
-            sending, recving, failed = self.worker.transfer_results()
-            return KVConnectorTransferResults(finished_sending=sending,
-                                              finished_recving=recving | failed,
-                                              failed_recving=failed)
+        if api.reports_failed_requests:
+            def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+                results = vllm_compat.transfer_results_class()
+                if self.worker is None:
+                    return results()
+                sending, recving, failed = self.worker.transfer_results()
+                return results(finished_sending=sending, finished_recving=recving | failed,
+                               failed_recving=failed)
+        else:
+            def get_finished(self, finished_req_ids: set[str]
+                             ) -> tuple[set[str] | None, set[str] | None]:
+                if self.worker is None:
+                    return None, None
+                sending, recving, failed = self.worker.transfer_results()
+                self._load_errors = self.worker.load_error_blocks()
+                return sending or None, (recving | failed) or None
+
+            def get_block_ids_with_load_errors(self) -> set[int]:
+                out, self._load_errors = self._load_errors, set()
+                return out
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+            return vllm_compat.required_layout(vllm_config)
 
         def build_connector_worker_meta(self) -> Any:
             return self.worker.worker_meta() if self.worker is not None else None

@@ -313,6 +313,9 @@ class KvplaneMeta:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    # the blocks of failed loads, for vLLM releases that recompute only by block id (0.25.1;
+    # filled by the facade, see vllm_compat)
+    load_error_blocks: set[int] = field(default_factory=set)
 
 
 # --- worker half -> scheduler half ------------------------------------------------------------

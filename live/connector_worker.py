@@ -114,6 +114,86 @@ def byte_runs(runs: Iterable[tuple[int, int, int]], local: Geometry, remote: Geo
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class CacheRegion:
+    """One layer's KV cache as NIXL sees it: a flat view of its memory, blocks outermost."""
+
+    name: str
+    flat: Any  # a contiguous 1-D tensor over the layer's whole cache
+    num_blocks: int
+    block_stride: int  # bytes from one block to the next
+    block_bytes: int  # bytes of one block (all its K/V, heads and tokens)
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.numel()) * int(self.flat.element_size())
+
+
+def _dense_inner(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when dims 1.. (in any order, as a layout permutation leaves them) pack one block
+    densely: sorted by stride, each stride is the product of the sizes inside it."""
+    inner = sorted(((st, sz) for st, sz in zip(strides[1:], shape[1:]) if sz != 1))
+    expected = 1
+    for st, sz in inner:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def cache_region(name: str, t: Any) -> CacheRegion:
+    """One layer's cache tensor as a region: blocks must be the outermost dimension and each
+    block one dense run of bytes (any order inside it: vLLM's NHD or HND, K and V together or
+    MLA's single latent, any dtype including FP8). vLLM hands permuted views for HND; the
+    region is the memory under the view, so it is registered as a flat alias of it."""
+    import torch
+
+    shape, strides = tuple(int(x) for x in t.shape), tuple(int(x) for x in t.stride())
+    if len(shape) < 2:
+        raise ValueError(f"KV cache of {name} has shape {shape}: no block dimension")
+    num_blocks, elt = shape[0], t.element_size()
+    block_elems = math.prod(shape[1:])
+    if not _dense_inner(shape, strides) or strides[0] < block_elems:
+        raise ValueError(
+            f"KV cache of {name} is not block-major (shape {shape}, strides {strides}): "
+            "kvplane needs blocks outermost and each block dense; vLLM's layout for this "
+            "attention backend does not give that (see docs/deploy.md, KV cache layout)")
+    span = strides[0] * (num_blocks - 1) + block_elems
+    flat = torch.as_strided(t, (span,), (1,))
+    return CacheRegion(name, flat, num_blocks, strides[0] * elt, block_elems * elt,
+                       str(t.dtype).replace("torch.", ""))
+
+
+def cache_regions(kv_caches: dict[str, Any]) -> list[CacheRegion]:
+    """Every layer's region in layer order, a layer sharing another's cache counted once; all
+    layers must agree on block count and geometry (one KV cache group)."""
+    seen: set[int] = set()
+    out: list[CacheRegion] = []
+    for name in sorted(kv_caches, key=_layer_index):
+        t = kv_caches[name]
+        if isinstance(t, (list, tuple)):
+            raise ValueError(  # noqa: TRY004 - a layout we refuse, like the others
+                f"KV cache of {name} is split in {len(t)} tensors (separate K and V); "
+                "kvplane needs one tensor per layer")
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out.append(cache_region(name, t))
+    if not out:
+        raise ValueError("vLLM registered no KV cache tensors")
+    first = out[0]
+    for r in out[1:]:
+        if (r.num_blocks, r.block_stride, r.block_bytes) != (
+                first.num_blocks, first.block_stride, first.block_bytes):
+            raise ValueError(
+                f"KV cache of {r.name} ({r.num_blocks} blocks of {r.block_bytes} bytes, "
+                f"stride {r.block_stride}) differs from {first.name}'s ({first.num_blocks}, "
+                f"{first.block_bytes}, {first.block_stride}): layers of several KV cache "
+                "groups or sizes are not supported")
+    return out
+
+
 def _layer_index(name: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", name))
 
@@ -314,8 +394,9 @@ class WorkerHalf:
     """The worker-side logic, driven by the facade; vLLM-free apart from the tensors it gets."""
 
     def __init__(self, instance: str, rank: int, *, progress_thread: bool = False,
-                 post_to: tuple[str, int] | None = None) -> None:
+                 post_to: tuple[str, int] | None = None, backend: str = "UCX") -> None:
         self.instance = instance
+        self.backend = backend
         self.post_to = post_to
         self.rank = rank
         self.progress_thread = progress_thread
@@ -323,41 +404,26 @@ class WorkerHalf:
         self.geometry: Geometry | None = None
         self.thread: TransferThread | None = None
         self._reports = KvplaneMeta()
+        self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from kvplane.live.staging import staging_for
         from kvplane.live.transport import Transport
 
-        seen: set[int] = set()
-        tensors = []
-        for name in sorted(kv_caches, key=_layer_index):
-            t = kv_caches[name]
-            if t.data_ptr() in seen:  # a layer sharing another's cache
-                continue
-            seen.add(t.data_ptr())
-            tensors.append((name, t))
-        first = tensors[0][1]
-        num_blocks = int(first.shape[0])
-        stride = int(first.stride(0)) * first.element_size()
-        block_bytes = math.prod(int(s) for s in first.shape[1:]) * first.element_size()
-        for name, t in tensors:
-            if not t.is_contiguous():
-                raise ValueError(f"KV cache of {name} is not contiguous: shape {tuple(t.shape)} "
-                                 f"strides {t.stride()}")
-            if int(t.shape[0]) != num_blocks or int(t.stride(0)) * t.element_size() != stride:
-                raise ValueError(f"KV cache of {name} differs in geometry from the first layer")
-        granule = math.gcd(stride, block_bytes)
+        regions = cache_regions(kv_caches)
+        first = regions[0]
         self.transport = Transport(f"{self.instance}-rank{self.rank}-{time.time_ns() % 10**9}",
-                                   granule=granule, progress_thread=self.progress_thread,
-                                   staging=staging_for(first))
-        sizes = []
-        for _, t in tensors:
-            self.transport.register(t)
-            sizes.append(t.numel() * t.element_size())
-        self.geometry = Geometry(tuple(sizes), stride, block_bytes, num_blocks)
+                                   granule=math.gcd(first.block_stride, first.block_bytes),
+                                   progress_thread=self.progress_thread, backend=self.backend,
+                                   staging=staging_for(first.flat))
+        for r in regions:
+            self.transport.register(r.flat)
+        self.geometry = Geometry(tuple(r.nbytes for r in regions), first.block_stride,
+                                 first.block_bytes, first.num_blocks)
         logger.info("kvplane %s rank %d: registered %d layers x %d blocks of %d bytes "
-                    "(stride %d) with NIXL", self.instance, self.rank, len(tensors), num_blocks,
-                    block_bytes, stride)
+                    "(stride %d, %s) with NIXL %s", self.instance, self.rank, len(regions),
+                    first.num_blocks, first.block_bytes, first.block_stride, first.dtype,
+                    self.backend)
         sender = FactSender(*self.post_to) if self.post_to else None
         self.thread = TransferThread(self.transport, self.geometry, self.rank, self.instance,
                                      sender)
@@ -381,10 +447,18 @@ class WorkerHalf:
         r.finished_sending |= meta.finished_sending
         r.finished_recving |= meta.finished_recving
         r.failed_recving |= meta.failed_recving
+        r.load_error_blocks |= meta.load_error_blocks
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         r, self._reports = self._reports, KvplaneMeta()
+        self._load_errors = r.load_error_blocks
         return r.finished_sending, r.finished_recving, r.failed_recving
+
+    def load_error_blocks(self) -> set[int]:
+        """Blocks of the loads that failed among the last `transfer_results()` (vLLM 0.25.1
+        recomputes a failed load only when its blocks are named; see vllm_compat)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
 
     def worker_meta(self) -> KvplaneWorkerMeta | None:
         if self.thread is None or not self.thread.facts:

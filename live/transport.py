@@ -2,7 +2,8 @@
 KV bytes between two processes.
 
 How it works:
-- One `Transport` per process (per worker): it owns one NIXL agent with the UCX backend. Making
+- One `Transport` per process (per worker): it owns one NIXL agent with one backend, UCX
+  (default) or LIBFABRIC (EFA), never silently another. Making
   an agent costs 0.5-2 s, so make it once, at start-up.
 - `register(buffer)` registers host memory ("DRAM": a numpy array or CPU torch tensor) or GPU
   memory ("VRAM": a CUDA torch tensor; exercised once on an H200, two processes, nixl-cu13).
@@ -309,22 +310,55 @@ def _describe_buffer(buffer: object) -> tuple[Region, MemKind]:
     raise TransportError(f"cannot register a {type(buffer).__name__}: numpy array or tensor")
 
 
+BACKENDS = ("UCX", "LIBFABRIC")
+BACKEND_HINTS = {
+    "UCX": "The UCX plugin ships in the nixl-cu12/nixl-cu13 wheel; see nixl_env.INSTALL_HINT.",
+    "LIBFABRIC": "NIXL's LIBFABRIC plugin needs libfabric.so.1 and libhwloc.so.15 on the "
+                 "library path (EFA: the AWS EFA installer; elsewhere Debian's libfabric1 and "
+                 "libhwloc15) and a working provider (FI_PROVIDER: efa on EFA, tcp to try it "
+                 "without one); `fi_info -p $FI_PROVIDER` shows whether the provider loads.",
+}
+
+
+def nixl_backend(value: object) -> str:
+    """The NIXL backend a setting names: "UCX" or "LIBFABRIC" (case-insensitive), or a list of
+    exactly one of them (deploy writes `backends: [..]`). Anything else is refused: a backend
+    we would not make must never be silently replaced by another."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise TransportError(f"backends {list(value)!r}: name exactly one of {BACKENDS}")
+        value = value[0]
+    name = str(value).strip().upper()
+    if name not in BACKENDS:
+        raise TransportError(f"NIXL backend {value!r} is not supported; choose one of "
+                             f"{', '.join(BACKENDS)}")
+    return name
+
+
 class Transport:
-    """One NIXL agent (UCX), its registered regions, its peers and its notification inbox."""
+    """One NIXL agent (UCX or LIBFABRIC), its registered regions, its peers and its notification inbox."""
 
     def __init__(self, name: str, *, granule: int = DEFAULT_GRANULE,
                  progress_thread: bool = False, thread_safe: bool = False,
-                 staging: StagingConfig | None = None) -> None:
+                 staging: StagingConfig | None = None, backend: str = "UCX") -> None:
         if granule <= 0:
             raise TransportError("granule must be positive")
+        backend = nixl_backend(backend)
         api = import_nixl_api()
         sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None
-        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend],
                                        sync_mode=sync)
-        self._agent = api.nixl_agent(name, config)
         self._errors = nixl_errors()
-        if "UCX" not in self._agent.backends:
-            raise TransportError("NIXL could not create its UCX backend here")
+        try:
+            self._agent = api.nixl_agent(name, config)
+        except self._errors as exc:
+            raise TransportError(f"NIXL could not create its {backend} backend here: "
+                                 f"{_why(exc)}. {BACKEND_HINTS[backend]}") from exc
+        if backend not in self._agent.backends:
+            raise TransportError(f"NIXL could not create its {backend} backend here (plugins "
+                                 f"made: {sorted(self._agent.backends) or 'none'}). "
+                                 f"{BACKEND_HINTS[backend]}")
+        self.backend = backend
         self.name = name
         self.granule = granule
         self._lock = threading.RLock()

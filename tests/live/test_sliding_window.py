@@ -1,0 +1,153 @@
+"""A model with a sliding-window layer and a full-attention layer (two KV cache groups).
+
+vLLM's hybrid KV cache manager would give this model two KV cache groups; KvplaneConnector does
+not declare hybrid support, so vLLM turns the hybrid manager off for the connector's instances
+and keeps one group (each layer still attends within its window). The plain reference server
+runs without a connector, with the hybrid manager and its two groups. Checked: the connector's
+instances were given one group (vLLM says so in their logs), and pull and push give the plain
+server's greedy tokens on prompts longer than the window. A configuration that still has several
+groups is refused by name (unit test below, vLLM-free).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from kvplane.core import events as ev
+from kvplane.live.connector import layout_from_vllm
+from kvplane.store import open_store
+
+
+def _load(name: str) -> ModuleType:
+    full = f"kvplane_live_{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[full] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
+_servers = _load("servers")
+VllmServer, PdClient = _servers.VllmServer, _servers.PdClient
+complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
+tiny_swa_model_dir = _load("tiny_swa_model").tiny_swa_model_dir
+WINDOW = _load("tiny_swa_model").WINDOW
+
+MAX_TOKENS = 16
+
+
+def test_several_kv_cache_groups_are_refused_by_name() -> None:
+    class Spec:
+        block_size, head_size = 32, 32
+
+    class SlidingWindowSpec(Spec):
+        pass
+
+    class FullAttentionSpec(Spec):
+        pass
+
+    @dataclass
+    class Group:
+        kv_cache_spec: Any
+        layer_names: list[str]
+
+    @dataclass
+    class KVCacheConfig:
+        kv_cache_groups: list[Group]
+
+    cfg = KVCacheConfig([Group(SlidingWindowSpec(), ["l0"]), Group(FullAttentionSpec(), ["l1"])])
+    with pytest.raises(NotImplementedError,
+                       match="2 .*SlidingWindowSpec, FullAttentionSpec.*disable-hybrid"):
+        layout_from_vllm(object(), cfg)
+
+
+@dataclass
+class Cluster:
+    prefill: VllmServer
+    decode: VllmServer
+    plain: VllmServer
+    db: Path
+    run: str
+
+    def of(self, xfer: str, kind: type[ev.Event], timeout: float = 20.0) -> list[ev.Event]:
+        deadline = time.monotonic() + timeout
+        while True:
+            with open_store(str(self.db)) as store:
+                evs = [e for e in store.events(self.run) if e.request == xfer]
+            if any(isinstance(e, kind) for e in evs) or time.monotonic() > deadline:
+                return evs
+            time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    _servers.require_vllm()
+    model = tiny_swa_model_dir()
+    logs = _servers.log_dir("swa")
+    db = logs / "events.db"
+    run = f"swa-{uuid.uuid4().hex[:8]}"
+    cfg = {"kvplane_db": str(db), "kvplane_run": run}
+    prefill = VllmServer("prefill", model, logs, connector=dict(cfg))
+    decode = VllmServer("decode", model, logs, connector=dict(cfg))
+    plain = VllmServer("plain", model, logs)
+    start_all([prefill, decode, plain])
+    print(f"\nvLLM logs and events in {logs}")
+    try:
+        yield Cluster(prefill, decode, plain, db, run)
+    finally:
+        stop_all([prefill, decode, plain])
+
+
+
+
+def prompt(seed: int, n: int = 4 * WINDOW) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+@pytest.mark.live
+@pytest.mark.timeout(900)
+def test_vllm_gives_the_connector_one_group(cluster: Cluster) -> None:
+    import re
+
+    groups = re.compile(r"kv cache group sizes \(([^)]*)\)")
+    for s in (cluster.prefill, cluster.decode):
+        log = s.log_path.read_text(errors="replace")
+        assert "Turning off hybrid kv cache manager" in log
+        assert not groups.search(log), f"{s.name} has several KV cache groups"
+    plain = cluster.plain.log_path.read_text(errors="replace")
+    assert "Turning off hybrid kv cache manager" not in plain
+    found = groups.search(plain)
+    assert found and len(found.group(1).split(",")) == 2, \
+        "the plain server should run this model with two KV cache groups"
+
+
+@pytest.mark.live
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_prompts_longer_than_the_window_match_the_plain_server(cluster: Cluster,
+                                                               mode: str) -> None:
+    client = PdClient(cluster.prefill, cluster.decode)
+    for seed in (1, 2):
+        p = prompt(seed + len(mode))
+        xfer = f"swa-{mode}-{seed}-{uuid.uuid4().hex[:6]}"
+        if mode == "pull":
+            _, d = client.pull(p, MAX_TOKENS, xfer=xfer)
+        else:
+            _, d = client.push(p, MAX_TOKENS, xfer=xfer)
+        assert d.token_ids == complete(cluster.plain.url, p, MAX_TOKENS).token_ids
+        evs = cluster.of(xfer, ev.KVReceived)
+        got = [e for e in evs if isinstance(e, ev.KVReceived) and e.instance == "decode"]
+        assert got and got[0].num_tokens >= len(p) - 1, f"decode got no KV: {evs}"
