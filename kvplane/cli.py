@@ -23,6 +23,24 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kvplane import __version__
+
+        typer.echo(f"kvplane {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """kvplane: plan, run and see KV-cache movement in vLLM prefill/decode disaggregation."""
+
+
 sim_app = typer.Typer(help="The simulator: run scenarios (YAML) and sweeps.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
 
@@ -44,6 +62,8 @@ def sim_run(
     db: DbOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Write the summary JSON here.")] = None,  # noqa: UP045
     seed: Annotated[Optional[int], typer.Option(help="Override the scenario's seed.")] = None,  # noqa: UP045
+    requests: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        min=1, help="Override the requests per point (a quick look).")] = None,
     jobs: Annotated[int, typer.Option(help="Sweep points run in parallel processes.")] = 0,
     no_record: Annotated[bool, typer.Option("--no-record",
                                             help="Do not write events to the store.")] = False,
@@ -53,7 +73,8 @@ def sim_run(
     from kvplane.sim.runner import run_scenario
 
     try:
-        summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record)
+        summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record,
+                               requests=requests)
     except ScenarioError as exc:
         _fail(str(exc))
         return
@@ -63,7 +84,9 @@ def sim_run(
     if summary.get("run_id"):
         typer.echo(f"\nrun {summary['run_id']} recorded in {summary['db']}")
     if out is not None:
-        out.write_text(json.dumps(summary, indent=2))
+        from kvplane.results import json_safe
+
+        out.write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
         typer.echo(f"summary written to {out}")
 
 
@@ -111,24 +134,9 @@ def plan(
 
 
 @app.command()
-def runs(db: DbOpt = None) -> None:
-    """List the runs in the event store."""
-    from kvplane.store import open_store
-
-    with open_store(db) as store:
-        rows = store.runs()
-        if not rows:
-            typer.echo(f"no runs in {store.url}")
-            return
-        for r in rows:
-            typer.echo(f"{r.id}  {r.kind:<6} {str(r.started)[:19]}  events={store.count(r.id):<8}"
-                       f" {r.scenario}" + (f"  parent={r.parent}" if r.parent else ""))
-
-
-@app.command()
 def replay(
-    run: Annotated[str, typer.Argument(help="Run id (see `kvplane runs`); `latest` for the "
-                                       "newest.")],
+    run: Annotated[str, typer.Argument(help="Run id or a unique prefix (see `kvplane runs`); "
+                                       "`latest` for the newest.")],
     db: DbOpt = None,
     final: Annotated[bool, typer.Option(help="Also require the run to be quiescent: no "
                                         "leaked blocks, no transfer left in flight.")] = True,
@@ -146,8 +154,15 @@ def replay(
     Exits non-zero when an invariant is violated, printing each violation with its event.
     """
     from kvplane.core.replay import replay as do_replay
+    from kvplane.results import RunRefError, resolve_id
     from kvplane.store import RunNotFound, open_store
 
+    if run != "latest":
+        with open_store(db) as store:
+            try:
+                run = resolve_id(store, run)
+            except RunRefError as exc:
+                _fail(str(exc))
     if into is not None:
         if into != "sim":
             _fail(f"--into takes `sim`, not {into!r}")
@@ -246,10 +261,11 @@ def demo(db: DbOpt = None) -> None:
 
 def _register_rooms() -> None:
     """Commands whose rooms keep their own CLI modules (imports inside stay lazy)."""
-    from kvplane import cli_live, cli_see
+    from kvplane import cli_live, cli_results, cli_see
 
     cli_live.register(app)
     cli_see.register(app)
+    cli_results.register(app)
 
 
 _register_rooms()

@@ -67,8 +67,9 @@ def dashboard(
 
 
 def twin(
-    run: Annotated[str, typer.Argument(help="Run id to re-simulate (`latest`: the newest run "
-                                       "with requests).")],
+    run: Annotated[str, typer.Argument(help="Run id or unique prefix to re-simulate "
+                                       "(`latest`, the default: the newest run with "
+                                       "requests).")] = "latest",
     db: DbOpt = None,
     scenario: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Scenario (bundled name or YAML) giving cluster, profiles, engine and connector; "
@@ -106,6 +107,13 @@ def twin(
             if found is None:
                 _fail(f"no run with requests in {store.url}")
             run = str(found)
+        else:
+            from kvplane.results import RunRefError, resolve_id
+
+            try:
+                run = resolve_id(store, run)
+            except RunRefError as exc:
+                _fail(str(exc))
         try:
             new = replay_into_sim(store, run, scenario, profiles=profile or [], mode=mode)
         except RunNotFound as exc:
