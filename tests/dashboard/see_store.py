@@ -24,7 +24,8 @@ def build_store(target: Path | str) -> SimpleNamespace:
     - a simulated twin of one imported point (kind replay, parent = that point);
     - a real live run (kind live): tests/data/live_run/live.db, recorded by `kvplane router`
       in front of two real vLLM servers running KvplaneConnector over real NIXL, copied in
-      with its events merged by time, and its simulated twin (tiny model, CPU profile).
+      with its events merged by time, and its simulated twin under the scenario the
+      run ships with (scenarios/live_sample_cpu.yaml, stamped in its meta).
 
     Returns the URL, the path and the run ids the tests use.
     """
@@ -38,7 +39,7 @@ def build_store(target: Path | str) -> SimpleNamespace:
     path = None if isinstance(target, str) else target
     # the live run goes in first, so the pages' defaults (the newest run) stay simulated ones
     live = copy_live_run(url)
-    live_twin = replay_into_sim(url, live, _cpu_scenario())
+    live_twin = replay_into_sim(url, live)  # the scenario it ships with
     pp = load_scenario("seed_push_vs_pull")
     pp = pp.model_copy(update={
         "requests": 10, "warmup_requests": 2,
@@ -78,21 +79,3 @@ def copy_live_run(url: str) -> str:
                              run_id=info.id)
         dst.append(run, events)
     return run
-
-
-def _cpu_scenario() -> object:
-    """What the live run ran: the tiny test model on this CPU machine, 1P1D, block size 32."""
-    from kvplane.sim.config import scenario_from_data
-
-    return scenario_from_data({
-        "name": "live-twin", "requests": 6,
-        "profiles": {"model": "tiny-test", "hardware": "cpu-test"},
-        "engine": {"block_size": 32, "max_num_seqs": 4, "max_model_len": 512,
-                   "activation_reserve_bytes": 1.0e8,
-                   "max_num_batched_tokens": 512},
-        "connector": {"mode": "pull", "bidirectional": True,
-                      "prefix_caching": {"prefill": False, "decode": False}},
-        "workload": {"kind": "poisson", "qps": 1.0,
-                     "input_len": {"mean": 200, "dist": "fixed"},
-                     "output_len": {"mean": 32, "dist": "fixed"}},
-    }, file="<live twin>")

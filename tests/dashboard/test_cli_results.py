@@ -107,3 +107,25 @@ def test_export_csv_and_parquet(store, tmp_path):
     assert table.num_rows == 6 and table.column("prompt_tokens").to_pylist()[0] == 200
     code, out = run("export", "live", "--db", db, "--format", "xlsx")
     assert code == 2 and "--format must be" in out
+
+
+def test_twin_of_the_bundled_live_run_needs_no_arguments(tmp_path):
+    """tests/data/live_run/live.db ships with the scenario it ran (meta.scenario)."""
+    import shutil
+
+    from see_store import DATA
+
+    from kvplane.store import open_store
+
+    path = tmp_path / "live.db"
+    shutil.copyfile(DATA / "live_run" / "live.db", path)
+    db = f"sqlite:///{path}"
+    with open_store(db) as store:
+        assert store.run("live-sample").meta["scenario"]["name"] == "live_sample_cpu"
+    code, out = run("twin", "--db", db)  # `latest`: the newest run with requests
+    assert code == 0, out
+    assert "of live-sample: 6 requests" in out
+    with open_store(db) as store:
+        twin = store.runs("replay")[0]
+        assert twin.parent == "live-sample"
+        assert twin.meta["scenario"]["name"] == "live_sample_cpu"

@@ -200,9 +200,34 @@ def test_leases_shows_retained_blocks_per_decode_instance(see_store, monkeypatch
     assert "prefill-0" in trace_names(charts(at)[0])
 
 
+def test_sim_vs_live_opens_on_the_live_run_and_its_twin(see_store, monkeypatch):
+    """Out of the box: the recorded live run beside the twin made from the scenario it ships
+    with, with CDFs, per-percentile errors and a per-request scatter."""
+    at = open_app(see_store, monkeypatch, "Sim vs live")
+    assert at.selectbox(key="twin_a").value == see_store.live
+    assert at.selectbox(key="twin_b").value == see_store.live_twin
+    errors = frame(at, 0)
+    assert len(errors) == 12 and (errors["measured (ms)"] > 0).all()
+    cdf, scatter = charts(at)
+    assert len(cdf["data"]) == 6 and len(arr(scatter["data"][0]["x"])) == 6
+    assert not at.warning
+
+
+def test_sim_vs_live_pairs_only_runs_of_one_workload_and_says_why(see_store, monkeypatch):
+    at = open_app(see_store, monkeypatch, "Sim vs live")
+    at.selectbox(key="twin_a").set_value(see_store.measured).run()
+    assert len(at.selectbox(key="twin_b").options) == 1  # its twin only
+    assert at.selectbox(key="twin_b").value == see_store.twin
+    at.toggle(key="twin_any").set_value(True).run()
+    at.selectbox(key="twin_b").set_value(see_store.reuse_on).run()
+    ok(at)
+    assert "share no request" in at.warning[0].value
+    assert not at.get("plotly_chart") and not at.dataframe  # no table of unrelated numbers
+
+
 def test_sim_vs_live_lays_a_run_beside_its_twin(see_store, monkeypatch):
     at = open_app(see_store, monkeypatch, "Sim vs live")
-    assert at.selectbox(key="twin_a").value == see_store.measured
+    at.selectbox(key="twin_a").set_value(see_store.measured).run()
     assert at.selectbox(key="twin_b").value == see_store.twin
     ok(at)
     errors = frame(at, 0)
@@ -217,6 +242,7 @@ def test_sim_vs_live_lays_a_run_beside_its_twin(see_store, monkeypatch):
 def test_sim_vs_live_makes_a_twin(see_store, monkeypatch):
     at = open_app(see_store, monkeypatch, "Sim vs live")
     at.selectbox(key="twin_a").set_value(see_store.pull_point).run()
+    assert "no twin yet" in at.info[0].value and not at.dataframe
     at.button(key="twin_make").click().run()
     ok(at)
     with open_store(see_store.url) as store:
