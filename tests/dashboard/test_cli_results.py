@@ -129,3 +129,34 @@ def test_twin_of_the_bundled_live_run_needs_no_arguments(tmp_path):
         twin = store.runs("replay")[0]
         assert twin.parent == "live-sample"
         assert twin.meta["scenario"]["name"] == "live_sample_cpu"
+
+
+def test_plan_states_its_workload_runs_seeds_and_writes_a_deploy_topology(tmp_path):
+    from kvplane.live.deploy import load_topology
+
+    db = f"sqlite:///{tmp_path / 'plan.db'}"
+    topo = tmp_path / "topo.yaml"
+    code, out = run("plan", "seed_push_vs_pull", "--qps", "4", "--input-len", "4096",
+                    "--requests", "20", "--seeds", "2", "--max-instances", "3",
+                    "--ttft-p90-ms", "1500", "--tpot-p90-ms", "20", "--gpu-hour-price", "3.5",
+                    "--jobs", "1", "--no-curve", "--db", db, "--topology-out", str(topo))
+    assert code == 0, out
+    assert ("for 4 requests/s, input 4096 tokens, output 128 tokens, 20 requests per run, "
+            "seeds 20250101, 20250102") in out
+    assert "+-" in out  # intervals over seeds
+    row = next(line for line in out.splitlines() if "1P1D push" in line)
+    assert row.split()[:2] == ["16", "56.00"]  # 16 GPUs x $3.5
+    chosen = next(line for line in out.splitlines() if line.startswith("cheapest: "))
+    label = chosen.removeprefix("cheapest: ").split(" on ")[0]
+    t = load_topology(topo)  # what `kvplane deploy` reads
+    roles = [i.role for i in t.instances]
+    assert f"{roles.count('prefill')}P{roles.count('decode')}D" == label.split()[0]
+    assert t.mode == label.split()[1] and all(i.tp == 8 for i in t.instances)
+    code, out = run("deploy", str(topo))
+    assert code == 0 and "KvplaneConnector" in out
+    code, out = run("plan", "seed_push_vs_pull", "--qps", "4", "--ttft-p90-ms", "1",
+                    "--tpot-p90-ms", "1", "--max-instances", "2", "--seeds", "1",
+                    "--requests", "10", "--jobs", "1", "--no-record", "--json")
+    assert code == 1  # nothing meets an impossible SLO
+    got = json.loads(out)
+    assert got["chosen"] is None and got["workload"]["input_len"] == 16384  # longest swept

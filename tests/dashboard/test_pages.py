@@ -317,3 +317,24 @@ def test_sim_vs_live_compares_a_real_live_run_with_its_twin(see_store, monkeypat
     errors = frame(at, 0)
     assert (errors["measured (ms)"] > 0).all() and (errors["twin (ms)"] > 0).all()
     assert any("6 requests in both runs" in c.value for c in at.caption)
+
+
+def test_plan_page_states_the_workload_and_draws_attainment_against_instances_and_rate(
+        see_store, monkeypatch):
+    at = open_app(see_store, monkeypatch, "Plan")
+    assert at.selectbox(key="plan_run").value == see_store.plan
+    text = " ".join(m.value for m in at.markdown)
+    assert "4 requests/s, input 4096 tokens, output 128 tokens, 20 requests per run, 2 seeds" \
+        in text
+    verdicts = frame(at, 0)
+    assert list(verdicts["GPUs"]) == sorted(verdicts["GPUs"])  # cheapest first
+    assert set(verdicts["candidate"]) >= {"1P1D push", "1P1D pull"}
+    assert (verdicts["attainment %"].between(0, 100)).all()
+    chosen = at.success[0].value  # a choice: it meets the SLO, the curve ran for it
+    assert "Cheapest meeting the SLO" in chosen
+    assert verdicts[verdicts["meets SLO"]]["candidate"].isin([chosen.split("**")[1]]).any()
+    line, grid = charts(at)
+    assert all(t["name"].endswith("GPUs") for t in line["data"])
+    rates = sorted({x for t in line["data"] for x in arr(t["x"])})
+    assert rates[0] == 1.0 and rates[-1] == 8.0  # 0.25x to 2x the planned 4 QPS
+    assert grid["data"][0]["type"] == "heatmap"
