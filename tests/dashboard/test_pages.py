@@ -338,3 +338,30 @@ def test_plan_page_states_the_workload_and_draws_attainment_against_instances_an
     rates = sorted({x for t in line["data"] for x in arr(t["x"])})
     assert rates[0] == 1.0 and rates[-1] == 8.0  # 0.25x to 2x the planned 4 QPS
     assert grid["data"][0]["type"] == "heatmap"
+
+
+def test_operations_draws_per_instance_series_for_live_and_simulated_runs(see_store,
+                                                                         monkeypatch):
+    at = open_app(see_store, monkeypatch, "Operations")
+    assert at.selectbox(key="ops_run").value == see_store.live  # live runs first
+    figs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    names = {n for f in figs for n in trace_names(f)}
+    # the live run's two vLLM instances (named prefill and decode by the router)
+    assert {"prefill · waiting", "prefill · running", "decode · running"} <= names
+    assert any(n.startswith("decode · P->D") for n in names)  # transfers into decode
+    assert "decode · retained" in names and "decode pool capacity" in names
+    occ = next(f for f in figs if "waiting and running" in f["layout"]["title"]["text"])
+    running = next(t for t in occ["data"] if t["name"] == "decode · running")
+    counts = arr(running["y"])
+    assert max(counts) >= 1 and counts[-1] == 0  # every request ended
+    at.selectbox(key="ops_run").set_value(see_store.reuse_on).run()
+    ok(at)
+    figs = charts(at)
+    names = {n for f in figs for n in trace_names(f)}
+    assert {"prefill-0 · running", "decode-0 · waiting"} <= names
+    assert "prefill-0 · reuse read" in names  # the D->P reuse hit rate
+    kv = next(f for f in figs if "KV cache use" in f["layout"]["title"]["text"])
+    pct = [v for t in kv["data"] for v in arr(t["y"])]
+    assert 0 < max(pct) <= 100
+    slo = next(f for f in figs if f["layout"]["title"]["text"].startswith("Per window"))
+    assert {"SLO attainment (%)", "goodput per GPU (req/s)"} == set(trace_names(slo))
