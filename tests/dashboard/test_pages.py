@@ -252,7 +252,7 @@ def test_sim_vs_live_makes_a_twin(see_store, monkeypatch):
     assert any("12 requests in both runs" in c.value for c in at.caption)
 
 
-def test_what_if_runs_the_simulator_and_shows_the_result_beside_the_baseline(
+def test_what_if_runs_control_and_change_with_seeds_and_says_what_differs(
         see_store, monkeypatch):
     at = open_app(see_store, monkeypatch, "What-if")
     at.selectbox(key="whatif_base").set_value(see_store.push_point).run()
@@ -262,20 +262,36 @@ def test_what_if_runs_the_simulator_and_shows_the_result_beside_the_baseline(
     assert at.selectbox(key="whatif_mode" + k).value == "push"
     at.selectbox(key="whatif_mode" + k).set_value("pull")
     at.number_input(key="whatif_y" + k).set_value(2)
+    at.number_input(key="whatif_dtp" + k).set_value(4)
+    at.number_input(key="whatif_seeds" + k).set_value(2)
     at.button(key="whatif_go").click().run()
     ok(at)
     assert at.success and "what-if recorded" in at.success[0].value
     with open_store(see_store.url) as store:
         sweeps = [r for r in store.runs("sim") if r.parent == see_store.push_point]
         assert len(sweeps) == 1
-        assert sweeps[0].meta["whatif"]["mode"] == "pull"
-        assert sweeps[0].meta["scenario"]["cluster"]["decode_instances"] == 2
+        meta = sweeps[0].meta
+        assert meta["whatif"] == {"mode": "pull", "decode_instances": 2, "decode_tp": 4}
+        assert sorted(meta["differences"]) == [
+            "cluster.decode_instances: 1 -> 2", "cluster.decode_tp: None -> 4",
+            "connector.mode: 'push' -> 'pull'"]
         points = [r for r in store.runs("sim") if r.parent == sweeps[0].id]
-        routed = {e.decode for e in store.events(points[0].id, "RequestRouted")}  # type: ignore[attr-defined]
-    assert routed == {"decode-0", "decode-1"}
+        arms = sorted(r.meta["arm"] for r in points)
+        assert arms == ["control", "control", "what-if", "what-if"]
+        seeds = {a: sorted(r.meta["seed"] for r in points if r.meta["arm"] == a)
+                 for a in ("control", "what-if")}
+        assert seeds["control"] == seeds["what-if"] and len(set(seeds["control"])) == 2
+        new = next(r for r in points if r.meta["arm"] == "what-if")
+        old = next(r for r in points if r.meta["arm"] == "control")
+        routed = {e.decode for e in store.events(new.id, "RequestRouted")}  # type: ignore[attr-defined]
+        assert routed == {"decode-0", "decode-1"}
+        assert {e.decode for e in store.events(old.id, "RequestRouted")} == {"decode-0"}  # type: ignore[attr-defined]
+        assert store.count(new.id, "RequestArrived") == store.count(old.id, "RequestArrived")
+    text = " ".join(m.value for m in at.markdown)
+    assert "What differs" in text and "connector.mode" in text
     result = frame(at, 0)
-    assert list(result.columns) == ["metric", "stat", "baseline (ms)", "what-if (ms)", "change"]
-    assert len(result) == 12
+    assert list(result.columns) == ["metric", "stat", "control (ms)", "what-if (ms)", "change"]
+    assert len(result) == 12 and result["change"].str.contains("±").all()
     assert len(charts(at)[0]["data"]) == 6
     progress = at.get("progress")
     assert progress and progress[-1].proto.value == 100
