@@ -99,7 +99,9 @@ def runs(engine: Engine) -> pd.DataFrame:
         (func.avg(E.c.payload["tpot"].as_float()) * 1e3).label("tpot_ms"),
         (func.avg(E.c.payload["e2e"].as_float()) * 1e3).label("e2e_ms"),
     ).where(E.c.type == "RequestFinished").group_by(E.c.run))
-    arrived = _fetch(engine, select(E.c.run.label("id"), func.count().label("requests"))
+    # distinct: a live run records each arrival at every hop (router, prefill, decode)
+    arrived = _fetch(engine, select(E.c.run.label("id"),
+                                    func.count(func.distinct(E.c.request)).label("requests"))
                      .where(E.c.type == "RequestArrived").group_by(E.c.run))
     kids = _fetch(engine, select(
         R.c.parent.label("id"), func.count().label("children"),

@@ -68,6 +68,8 @@ def test_runs_page_lists_every_run_with_headline_figures(see_store, monkeypatch)
     assert set(table["kind"]) == {"sim", "import", "replay", "live"}
     push = table[table["id"] == see_store.push_point].iloc[0]
     assert push["requests"] == 12 and push["finished"] == 12 and push["failed"] == 0
+    live = table[table["id"] == see_store.live].iloc[0]
+    assert live["requests"] == 6  # recorded at three hops, one request each
     assert 50 < push["TTFT mean (ms)"] < 1000 and 3 < push["TPOT mean (ms)"] < 20
     sweep = table[table["id"] == see_store.sweep].iloc[0]
     assert sweep["children"] == 8 and sweep["events"] == 0
