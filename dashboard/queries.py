@@ -88,6 +88,9 @@ def runs(engine: Engine) -> pd.DataFrame:
         return base.assign(events=[], requests=[], finished=[], failed=[], ttft_ms=[],
                            tpot_ms=[], e2e_ms=[], children=[], points=[], leases=[],
                            reuse_decisions=[])
+    # every filtered read names the runs, so it walks the (run, type) index run by run
+    # instead of scanning every event of the store for a type
+    ids = list(base["id"])
     sizes = _fetch(engine, select(E.c.run.label("id"), func.count().label("events"))
                    .group_by(E.c.run))
     ok = E.c.payload["ok"].as_boolean()
@@ -98,11 +101,12 @@ def runs(engine: Engine) -> pd.DataFrame:
         (func.avg(E.c.payload["ttft"].as_float()) * 1e3).label("ttft_ms"),
         (func.avg(E.c.payload["tpot"].as_float()) * 1e3).label("tpot_ms"),
         (func.avg(E.c.payload["e2e"].as_float()) * 1e3).label("e2e_ms"),
-    ).where(E.c.type == "RequestFinished").group_by(E.c.run))
+    ).where(E.c.run.in_(ids), E.c.type == "RequestFinished").group_by(E.c.run))
     # distinct: a live run records each arrival at every hop (router, prefill, decode)
     arrived = _fetch(engine, select(E.c.run.label("id"),
                                     func.count(func.distinct(E.c.request)).label("requests"))
-                     .where(E.c.type == "RequestArrived").group_by(E.c.run))
+                     .where(E.c.run.in_(ids), E.c.type == "RequestArrived")
+                     .group_by(E.c.run))
     kids = _fetch(engine, select(
         R.c.parent.label("id"), func.count().label("children"),
         func.sum(case((R.c.kind.in_(["sim", "import"]), 1), else_=0)).label("points"),
@@ -111,7 +115,8 @@ def runs(engine: Engine) -> pd.DataFrame:
     reuse_count = case((E.c.type == "ReuseDecided", 1), else_=0)
     marks = _fetch(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
                                   func.sum(reuse_count).label("reuse_decisions"))
-                   .where(E.c.type.in_(["LeaseGranted", "ReuseDecided"])).group_by(E.c.run))
+                   .where(E.c.run.in_(ids), E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
+                   .group_by(E.c.run))
     out = base
     for extra in (sizes, arrived, heads, kids, marks):
         out = out.merge(extra, on="id", how="left")

@@ -257,7 +257,8 @@ def runs_table_rows(store: EventStore) -> list[dict[str, Any]]:
             func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
             func.max(_when("RequestArrived", p["turn"].as_integer())).label("turn"),
             func.max(_when("RequestArrived", p["conversation"].as_string())).label("conv"),
-        ).where(E.c.type.in_(["RequestArrived", "RequestFinished"]), E.c.request.is_not(None))
+        ).where(E.c.run.in_([b["id"] for b in base]),  # the (run, type) index, run by run
+                E.c.type.in_(["RequestArrived", "RequestFinished"]), E.c.request.is_not(None))
             .group_by(E.c.run, E.c.request)).all()
         kids = dict(conn.execute(select(R.c.parent, func.count()).where(R.c.parent.is_not(None))
                                  .group_by(R.c.parent)).all())
