@@ -141,11 +141,25 @@ def labels(table: pd.DataFrame) -> dict[str, str]:
 
 
 def picked() -> list[str]:
-    """The runs picked on the Runs page (seeded from ?run=&run2= on first load)."""
+    """The runs picked on the Runs page (seeded from ?run=&run2= on first load, each a run id
+    or a unique prefix of one, as the pages show them)."""
     if PICKED not in st.session_state:
         qp = st.query_params
-        st.session_state[PICKED] = [v for v in (qp.get("run"), qp.get("run2")) if v]
+        refs = [v for v in (qp.get("run"), qp.get("run2")) if v]
+        st.session_state[PICKED] = [_full_id(r) for r in refs]
     return list(st.session_state[PICKED])
+
+
+def _full_id(ref: str) -> str:
+    """The run id a unique prefix names (the reference itself when it names none or many)."""
+    try:
+        ids = list(runs(db_url())["id"])
+    except Exception:  # noqa: BLE001 - an unreadable store: app.py reports it
+        return ref
+    if ref in ids:
+        return ref
+    found = [i for i in ids if i.startswith(ref)]
+    return found[0] if len(found) == 1 else ref
 
 
 def set_picked(ids: list[str]) -> None:

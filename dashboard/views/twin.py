@@ -105,6 +105,10 @@ def render(url: str, table: pd.DataFrame) -> None:
                    f"{len(b)} in the other): the comparison below uses those only.")
         keep = set(joined["request"])
         a, b = a[a["request"].isin(keep)], b[b["request"].isin(keep)]
+    ra, rb = _routing(a), _routing(b)
+    if ra != rb:
+        st.warning(f"Routed differently: measured {_fmt(ra)}; twin {_fmt(rb)}. A twin runs "
+                   "one mode (the recording's most common); the errors below mix that in.")
     labels = ("measured", "twin")
     st.subheader("Error per percentile")
     st.dataframe(error_table(a, b), hide_index=True, width="stretch")
@@ -115,6 +119,18 @@ def render(url: str, table: pd.DataFrame) -> None:
                       key="twin_metric")
     st.plotly_chart(figures.per_request(joined, metric, labels), width="stretch",
                     key="twin_scatter")
+
+
+def _routing(df: pd.DataFrame) -> dict[str, int]:
+    if "mode" not in df or df.empty:
+        return {}
+    key = df["mode"].fillna("?") + df["bidirectional"].fillna(0).astype(int).map(
+        {1: "+reuse", 0: ""})
+    return {str(k): int(v) for k, v in key.value_counts().sort_index().items()}
+
+
+def _fmt(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "unknown"
 
 
 def _make_twin(url: str, run_id: str, scenario: str | None) -> None:
