@@ -91,8 +91,9 @@ def runs(engine: Engine) -> pd.DataFrame:
     # every filtered read names the runs, so it walks the (run, type) index run by run
     # instead of scanning every event of the store for a type
     ids = list(base["id"])
-    sizes = _fetch(engine, select(E.c.run.label("id"), func.count().label("events"))
-                   .group_by(E.c.run))
+    # events per run: the last seq + 1 (seqs are contiguous from 0), one index probe a run
+    last = select(func.max(E.c.seq)).where(E.c.run == R.c.id).scalar_subquery()
+    sizes = _fetch(engine, select(R.c.id, (last + 1).label("events")))
     ok = E.c.payload["ok"].as_boolean()
     heads = _fetch(engine, select(
         E.c.run.label("id"),
@@ -425,14 +426,21 @@ def _bin(engine: Engine, width: float) -> Any:
     return func.floor(E.c.time / width).label("bin")
 
 
-def run_span(engine: Engine, run_id: str) -> tuple[float, float] | None:
-    """First and last event time of a run (index (run, seq) via MIN/MAX), or None."""
+def run_span(engine: Engine, run_id: str, edge: int = 2000) -> tuple[float, float] | None:
+    """First and last event time of a run, or None. Read from the first and last `edge`
+    events by seq (the primary key): events are recorded about in time order (a live run's
+    processes interleave by a little), so a million-event run is not scanned for it."""
     with engine.connect() as conn:
-        row = conn.execute(select(func.min(E.c.time), func.max(E.c.time))
-                           .where(E.c.run == run_id)).first()
-    if row is None or row[0] is None:
+        top = conn.execute(select(func.max(E.c.seq)).where(E.c.run == run_id)).scalar()
+        if top is None:
+            return None
+        lo = conn.execute(select(func.min(E.c.time)).where(
+            E.c.run == run_id, E.c.seq < edge)).scalar()
+        hi = conn.execute(select(func.max(E.c.time)).where(
+            E.c.run == run_id, E.c.seq > top - edge)).scalar()
+    if lo is None or hi is None:
         return None
-    return float(row[0]), float(row[1])
+    return float(lo), float(hi)
 
 
 def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
@@ -460,10 +468,18 @@ def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
         .group_by(E.c.request))
 
 
+def _array_length(engine: Engine, field: str) -> Any:
+    """Length of a payload's JSON array. On SQLite with a path (json_array_length(payload,
+    '$.f')): SQLAlchemy's payload[f] would quote the extracted array and parse it again."""
+    if engine.dialect.name == "sqlite":
+        return func.json_array_length(E.c.payload, f"$.{field}")
+    return func.json_array_length(E.c.payload[field])
+
+
 def block_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     """KV blocks reserved minus freed per (instance, time bin): instance, bin, delta. Summed
     in SQL; the page accumulates the deltas into blocks in use."""
-    n = func.json_array_length(E.c.payload["blocks"])
+    n = _array_length(engine, "blocks")
     delta = case((E.c.type == "BlocksReserved", n), else_=-n)
     return _fetch(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
                   .where(E.c.run == run_id, E.c.type.in_(["BlocksReserved", "BlocksFreed"]))

@@ -386,3 +386,16 @@ def test_operations_draws_per_instance_series_for_live_and_simulated_runs(see_st
     assert 0 < max(pct) <= 100
     slo = next(f for f in figs if f["layout"]["title"]["text"].startswith("Per window"))
     assert {"SLO attainment (%)", "goodput per GPU (req/s)"} == set(trace_names(slo))
+
+
+def test_timeline_draws_the_live_run(see_store, monkeypatch):
+    monkeypatch.setenv("KVPLANE_DB", see_store.url)
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.query_params["page"] = "timeline"
+    at.query_params["run"] = "live"  # a prefix of live-sample
+    at.run()
+    ok(at)
+    assert at.selectbox(key="timeline_run").value == see_store.live
+    names = set(trace_names(charts(at)[0]))
+    assert {"prefill", "transfer (P->D)", "decode", "reuse read (D->P)"} <= names
+    assert "6 of 6 requests match" in " ".join(c.value for c in at.caption)
