@@ -40,6 +40,20 @@ def _lines(df: pd.DataFrame, x: str, y: str, by: str, title: str, ytitle: str,
     return fig
 
 
+def _peaks(occ: pd.DataFrame, width: float) -> pd.DataFrame:
+    """A count series per `series` reduced to its peak in each time bin (held through bins
+    without a change), so a figure stays a few hundred points whatever the run's size."""
+    occ = occ.assign(bin=(occ["time"] // width).astype(int))
+    peak = occ.groupby(["series", "bin"])["count"].max().unstack("series")
+    bins = range(int(peak.index.min()), int(peak.index.max()) + 1)
+    last = occ.groupby(["series", "bin"])["count"].last().unstack("series")
+    held = last.reindex(bins).ffill().fillna(0)  # the level a bin ends at, carried on
+    full = peak.reindex(bins).fillna(held.shift(1).fillna(0)).clip(lower=0)
+    out = full.stack().rename("count").reset_index()
+    out["time"] = out["bin"] * width
+    return out
+
+
 def render(url: str, table: pd.DataFrame) -> None:
     st.header("Operations")
     points = common.point_runs(table)
@@ -66,7 +80,8 @@ def render(url: str, table: pd.DataFrame) -> None:
     reqs = common.instance_requests(url, run_id)
     occ = occupancy(reqs)
     if not occ.empty:
-        occ = occ.assign(time=occ["time"] - t0, series=occ["instance"] + " · " + occ["state"])
+        occ = _peaks(occ.assign(time=occ["time"] - t0,
+                                series=occ["instance"] + " · " + occ["state"]), width)
         st.plotly_chart(_lines(occ, "time", "count", "series", "Requests waiting and running, "
                                "per instance (waiting = queue depth)", "requests", "hv"),
                         width="stretch", key="ops_occupancy")
