@@ -160,3 +160,13 @@ def test_plan_states_its_workload_runs_seeds_and_writes_a_deploy_topology(tmp_pa
     assert code == 1  # nothing meets an impossible SLO
     got = json.loads(out)
     assert got["chosen"] is None and got["workload"]["input_len"] == 16384  # longest swept
+
+
+def test_replay_takes_a_short_id(store):
+    db, summary = store
+    point = summary["points"][0]["run_id"]
+    code, out = run("replay", point[:8], "--db", db)
+    assert code == 0, out
+    assert point in out and "no invariant violated" in out
+    code, out = run("replay", "zz", "--db", db)
+    assert code == 2 and "no run 'zz'" in out
