@@ -69,7 +69,7 @@ def dashboard(
 def twin(
     run: Annotated[str, typer.Argument(help="Run id or unique prefix to re-simulate "
                                        "(`latest`, the default: the newest run with "
-                                       "requests).")] = "latest",
+                                       "requests that is not itself a twin).")] = "latest",
     db: DbOpt = None,
     scenario: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Scenario (bundled name or YAML) giving cluster, profiles, engine and connector; "
@@ -99,7 +99,8 @@ def twin(
 
             stmt = (select(runs_table.c.id).join(events_table, events_table.c.run ==
                                                   runs_table.c.id)
-                    .where(events_table.c.type == "RequestArrived")
+                    .where(events_table.c.type == "RequestArrived",
+                           runs_table.c.kind != "replay")  # not a twin of a twin
                     .group_by(runs_table.c.id, runs_table.c.started)
                     .order_by(runs_table.c.started.desc()).limit(1))
             with store.engine.connect() as conn:

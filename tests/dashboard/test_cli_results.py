@@ -129,6 +129,8 @@ def test_twin_of_the_bundled_live_run_needs_no_arguments(tmp_path):
         twin = store.runs("replay")[0]
         assert twin.parent == "live-sample"
         assert twin.meta["scenario"]["name"] == "live_sample_cpu"
+    code, out = run("twin", "--db", db)  # again: the live run again, never the twin
+    assert code == 0 and "of live-sample" in out
 
 
 def test_plan_states_its_workload_runs_seeds_and_writes_a_deploy_topology(tmp_path):
