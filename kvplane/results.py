@@ -316,15 +316,16 @@ def format_runs_table(rows: Sequence[dict[str, Any]]) -> str:
         if ":" in name:
             sc, _, label = name.rpartition(":")
             name = f"{sc}:{rate_label(label, r['multi_turn'])}"
-        size = str(r["requests"]) if r["requests"] else (f"{r['children']}pt"
-                                                          if r["children"] else "0")
+        plan = isinstance(r.get("meta"), dict) and "plan" in r["meta"]
+        size = str(r["requests"]) if r["requests"] else (
+            f"{r['children']}pt" if r["children"] else "plan" if plan else "0")
         parent = f"  (in {short(r['parent'])})" if r["parent"] else ""
         lines.append(
             f"{short(r['id']):<8}  {r['kind']:<6}  {str(r['started'])[:19]:<19}  {size:>6}  "
             f"{_fmt(r['ttft_p50']):>9}  {_fmt(r['ttft_p90']):>8}  {_fmt(r['tpot_p50'], 2):>9}  "
             f"{_fmt(r['tpot_p90'], 2):>7}  {name}{parent}")
-    lines.append("(times in ms; REQS: requests, or sweep points `Npt`; any unique id prefix "
-                 "names a run)")
+    lines.append("(times in ms; REQS: requests, sweep points `Npt`, or a `kvplane plan` search; "
+                 "any unique id prefix names a run)")
     return "\n".join(lines)
 
 
