@@ -445,27 +445,30 @@ def run_span(engine: Engine, run_id: str, edge: int = 2000) -> tuple[float, floa
 
 def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
     """Per request, where and when it waited and ran: prefill, decode (instances it was routed
-    to), routed, prefill_started, prefill_finished, kv_received, first_token, finished (s),
-    ttft, tpot. Five event types, one row per request."""
+    to), arrived (= routed: the router routes as a request arrives), routed, prefill_started,
+    prefill_finished, kv_received, finished (s), ttft, tpot. Five event types, one row per
+    request (the fewest rows that tell it)."""
     p = E.c.payload
-    return _fetch(engine, select(
+    df = _fetch(engine, select(
         E.c.request,
         func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
         func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
-        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
         func.min(_when("RequestRouted", E.c.time)).label("routed"),
         func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
         func.min(_when("PrefillFinished", E.c.time)).label("prefill_finished"),
         func.min(_when("KVReceived", E.c.time)).label("kv_received"),
-        func.min(_when("FirstTokenEmitted", E.c.time)).label("first_token"),
         func.min(_when("RequestFinished", E.c.time)).label("finished"),
         func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
         func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
     ).where(E.c.run == run_id, E.c.request.is_not(None),
-            E.c.type.in_(["RequestArrived", "RequestRouted", "PrefillStarted",
-                          "PrefillFinished", "KVReceived", "FirstTokenEmitted",
+            E.c.type.in_(["RequestRouted", "PrefillStarted", "PrefillFinished", "KVReceived",
                           "RequestFinished"]))
         .group_by(E.c.request))
+    df["arrived"] = df["routed"] if not df.empty else pd.Series(dtype=float)
+    # a request without KVReceived (decode computed it locally) runs from its first token,
+    # at routing + TTFT
+    df["first_token"] = df["routed"] + df["ttft"] if not df.empty else pd.Series(dtype=float)
+    return df
 
 
 def _array_length(engine: Engine, field: str) -> Any:
