@@ -94,9 +94,35 @@ def lease_events(url: str, run_id: str) -> pd.DataFrame:
     return q.lease_events(_e(url), run_id)
 
 
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def run_span(url: str, run_id: str) -> tuple[float, float] | None:
+    return q.run_span(_e(url), run_id)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Reading where requests waited and ran...")
+def instance_requests(url: str, run_id: str) -> pd.DataFrame:
+    return q.instance_requests(_e(url), run_id)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def block_bins(url: str, run_id: str, width: float) -> pd.DataFrame:
+    return q.block_bins(_e(url), run_id, width)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def transfer_bins(url: str, run_id: str, width: float) -> pd.DataFrame:
+    return q.transfer_bins(_e(url), run_id, width)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def prefix_bins(url: str, run_id: str, width: float) -> pd.DataFrame:
+    return q.prefix_bins(_e(url), run_id, width)
+
+
 def clear_caches() -> None:
     for fn in (runs, children, request_index, request_table, request_events, finished_requests,
-               reuse_outcomes, prefill_split, lease_events, scenario_of):
+               reuse_outcomes, prefill_split, lease_events, scenario_of, run_span,
+               instance_requests, block_bins, transfer_bins, prefix_bins, pool_capacity):
         fn.clear()
 
 
@@ -114,11 +140,25 @@ def labels(table: pd.DataFrame) -> dict[str, str]:
 
 
 def picked() -> list[str]:
-    """The runs picked on the Runs page (seeded from ?run=&run2= on first load)."""
+    """The runs picked on the Runs page (seeded from ?run=&run2= on first load, each a run id
+    or a unique prefix of one, as the pages show them)."""
     if PICKED not in st.session_state:
         qp = st.query_params
-        st.session_state[PICKED] = [v for v in (qp.get("run"), qp.get("run2")) if v]
+        refs = [v for v in (qp.get("run"), qp.get("run2")) if v]
+        st.session_state[PICKED] = [_full_id(r) for r in refs]
     return list(st.session_state[PICKED])
+
+
+def _full_id(ref: str) -> str:
+    """The run id a unique prefix names (the reference itself when it names none or many)."""
+    try:
+        ids = list(runs(db_url())["id"])
+    except Exception:  # noqa: BLE001 - an unreadable store: app.py reports it
+        return ref
+    if ref in ids:
+        return ref
+    found = [i for i in ids if i.startswith(ref)]
+    return found[0] if len(found) == 1 else ref
 
 
 def set_picked(ids: list[str]) -> None:
@@ -211,3 +251,24 @@ def point_axes(scenario_name: str, meta: dict[str, Any] | None) -> dict[str, Any
 
     label = (meta or {}).get("point") or scenario_name.rpartition(":")[2]
     return parse_label(str(label))
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def pool_capacity(url: str, run_id: str) -> dict[str, Any] | None:
+    """KV pool blocks per prefill and decode instance and TP sizes, from the run's scenario as
+    the simulator sizes them (for a live run: the scenario it ships with, a prediction: vLLM's
+    own pool size is not recorded). None when the run's scenario cannot be told."""
+    from kvplane.sim.config import scenario_from_data
+    from kvplane.sim.costs import SimCosts
+
+    data = scenario_of(url, run_id)
+    if data is None:
+        return None
+    try:
+        sc = scenario_from_data(data, file=f"run {run_id}")
+        costs = SimCosts.from_scenario(sc)
+    except Exception:  # noqa: BLE001 - a scenario that no longer loads: no capacity line
+        return None
+    return {"prefill": int(costs.pool_blocks["prefill"]),
+            "decode": int(costs.pool_blocks["decode"]),
+            "prefill_tp": sc.prefill_tp, "decode_tp": sc.decode_tp}

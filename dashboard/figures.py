@@ -312,3 +312,27 @@ def per_request(joined: pd.DataFrame, metric: str, names: Sequence[str]) -> go.F
     fig.update_xaxes(title=f"{names[0]} {metric.upper()} (ms)")
     fig.update_yaxes(title=f"{names[1]} {metric.upper()} (ms)")
     return _layout(fig, f"Per request: {metric.upper()}", height=420)
+
+
+def attainment_vs_rate(curve: pd.DataFrame, rate_unit: str, planned: float) -> go.Figure:
+    """SLO attainment (% of requests meeting both SLOs) against offered rate, one line per
+    instance shape (`label`, with GPUs), the planned rate marked."""
+    fig = go.Figure()
+    for (label, gpus), part in curve.sort_values("rate").groupby(["shape", "gpus"], sort=False):
+        fig.add_trace(go.Scatter(x=part["rate"], y=part["attainment"] * 100, mode="lines+markers",
+                                 name=f"{label} · {gpus} GPUs"))
+    fig.add_vline(x=planned, line_dash="dot", annotation_text="planned rate")
+    fig.update_xaxes(title=f"offered rate ({rate_unit})")
+    fig.update_yaxes(title="SLO attainment (%)", range=[0, 105])
+    return _layout(fig, "SLO attainment against rate, per instance shape")
+
+
+def attainment_grid(curve: pd.DataFrame, rate_unit: str) -> go.Figure:
+    """The same search as a heatmap: instance shapes (rows) by rate (columns)."""
+    grid = curve.pivot_table(index="shape", columns="rate", values="attainment") * 100
+    fig = go.Figure(go.Heatmap(z=grid.values, x=[f"{r:g}" for r in grid.columns],
+                               y=list(grid.index), colorscale="RdYlGn", zmin=0, zmax=100,
+                               colorbar={"title": "%"}, texttemplate="%{z:.0f}"))
+    fig.update_xaxes(title=f"offered rate ({rate_unit})", type="category")
+    fig.update_yaxes(title="instances (xPyD)")
+    return _layout(fig, "SLO attainment (%) by instances and rate", height=380)

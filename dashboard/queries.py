@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, and_, case, func, select
+from sqlalchemy import Engine, Integer, and_, case, cast, func, select
 
 from kvplane.store import events_table, runs_table
 
@@ -88,8 +88,12 @@ def runs(engine: Engine) -> pd.DataFrame:
         return base.assign(events=[], requests=[], finished=[], failed=[], ttft_ms=[],
                            tpot_ms=[], e2e_ms=[], children=[], points=[], leases=[],
                            reuse_decisions=[])
-    sizes = _fetch(engine, select(E.c.run.label("id"), func.count().label("events"))
-                   .group_by(E.c.run))
+    # every filtered read names the runs, so it walks the (run, type) index run by run
+    # instead of scanning every event of the store for a type
+    ids = list(base["id"])
+    # events per run: the last seq + 1 (seqs are contiguous from 0), one index probe a run
+    last = select(func.max(E.c.seq)).where(E.c.run == R.c.id).scalar_subquery()
+    sizes = _fetch(engine, select(R.c.id, (last + 1).label("events")))
     ok = E.c.payload["ok"].as_boolean()
     heads = _fetch(engine, select(
         E.c.run.label("id"),
@@ -98,9 +102,12 @@ def runs(engine: Engine) -> pd.DataFrame:
         (func.avg(E.c.payload["ttft"].as_float()) * 1e3).label("ttft_ms"),
         (func.avg(E.c.payload["tpot"].as_float()) * 1e3).label("tpot_ms"),
         (func.avg(E.c.payload["e2e"].as_float()) * 1e3).label("e2e_ms"),
-    ).where(E.c.type == "RequestFinished").group_by(E.c.run))
-    arrived = _fetch(engine, select(E.c.run.label("id"), func.count().label("requests"))
-                     .where(E.c.type == "RequestArrived").group_by(E.c.run))
+    ).where(E.c.run.in_(ids), E.c.type == "RequestFinished").group_by(E.c.run))
+    # distinct: a live run records each arrival at every hop (router, prefill, decode)
+    arrived = _fetch(engine, select(E.c.run.label("id"),
+                                    func.count(func.distinct(E.c.request)).label("requests"))
+                     .where(E.c.run.in_(ids), E.c.type == "RequestArrived")
+                     .group_by(E.c.run))
     kids = _fetch(engine, select(
         R.c.parent.label("id"), func.count().label("children"),
         func.sum(case((R.c.kind.in_(["sim", "import"]), 1), else_=0)).label("points"),
@@ -109,7 +116,8 @@ def runs(engine: Engine) -> pd.DataFrame:
     reuse_count = case((E.c.type == "ReuseDecided", 1), else_=0)
     marks = _fetch(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
                                   func.sum(reuse_count).label("reuse_decisions"))
-                   .where(E.c.type.in_(["LeaseGranted", "ReuseDecided"])).group_by(E.c.run))
+                   .where(E.c.run.in_(ids), E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
+                   .group_by(E.c.run))
     out = base
     for extra in (sizes, arrived, heads, kids, marks):
         out = out.merge(extra, on="id", how="left")
@@ -404,3 +412,157 @@ def retained_blocks(leases: pd.DataFrame, purpose: str = "retained") -> pd.DataF
     ], ignore_index=True).sort_values("time", kind="stable")
     delta["blocks"] = delta.groupby("instance")["delta"].cumsum()
     return delta[["time", "instance", "blocks"]].reset_index(drop=True)
+
+
+# --- operations: per-instance time series ---------------------------------------------------------
+
+
+def _bin(engine: Engine, width: float) -> Any:
+    """The time bin of an event row, floor(time / width), in SQL. SQLite's floor() exists only
+    when built with its math functions; CAST truncates, which is floor for the non-negative
+    times of a run."""
+    if engine.dialect.name == "sqlite":
+        return cast(E.c.time / width, Integer).label("bin")
+    return func.floor(E.c.time / width).label("bin")
+
+
+def run_span(engine: Engine, run_id: str, edge: int = 2000) -> tuple[float, float] | None:
+    """First and last event time of a run, or None. Read from the first and last `edge`
+    events by seq (the primary key): events are recorded about in time order (a live run's
+    processes interleave by a little), so a million-event run is not scanned for it."""
+    with engine.connect() as conn:
+        top = conn.execute(select(func.max(E.c.seq)).where(E.c.run == run_id)).scalar()
+        if top is None:
+            return None
+        lo = conn.execute(select(func.min(E.c.time)).where(
+            E.c.run == run_id, E.c.seq < edge)).scalar()
+        hi = conn.execute(select(func.max(E.c.time)).where(
+            E.c.run == run_id, E.c.seq > top - edge)).scalar()
+    if lo is None or hi is None:
+        return None
+    return float(lo), float(hi)
+
+
+def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
+    """Per request, where and when it waited and ran: prefill, decode (instances it was routed
+    to), arrived (= routed: the router routes as a request arrives), routed, prefill_started,
+    prefill_finished, kv_received, finished (s), ttft, tpot. Five event types, one row per
+    request (the fewest rows that tell it)."""
+    p = E.c.payload
+    df = _fetch(engine, select(
+        E.c.request,
+        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
+        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
+        func.min(_when("RequestRouted", E.c.time)).label("routed"),
+        func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
+        func.min(_when("PrefillFinished", E.c.time)).label("prefill_finished"),
+        func.min(_when("KVReceived", E.c.time)).label("kv_received"),
+        func.min(_when("RequestFinished", E.c.time)).label("finished"),
+        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
+        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
+    ).where(E.c.run == run_id, E.c.request.is_not(None),
+            E.c.type.in_(["RequestRouted", "PrefillStarted", "PrefillFinished", "KVReceived",
+                          "RequestFinished"]))
+        .group_by(E.c.request))
+    df["arrived"] = df["routed"] if not df.empty else pd.Series(dtype=float)
+    # a request without KVReceived (decode computed it locally) runs from its first token,
+    # at routing + TTFT
+    df["first_token"] = df["routed"] + df["ttft"] if not df.empty else pd.Series(dtype=float)
+    return df
+
+
+def _array_length(engine: Engine, field: str) -> Any:
+    """Length of a payload's JSON array. On SQLite with a path (json_array_length(payload,
+    '$.f')): SQLAlchemy's payload[f] would quote the extracted array and parse it again."""
+    if engine.dialect.name == "sqlite":
+        return func.json_array_length(E.c.payload, f"$.{field}")
+    return func.json_array_length(E.c.payload[field])
+
+
+def block_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
+    """KV blocks reserved minus freed per (instance, time bin): instance, bin, delta. Summed
+    in SQL; the page accumulates the deltas into blocks in use."""
+    n = _array_length(engine, "blocks")
+    delta = case((E.c.type == "BlocksReserved", n), else_=-n)
+    return _fetch(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
+                  .where(E.c.run == run_id, E.c.type.in_(["BlocksReserved", "BlocksFreed"]))
+                  .group_by(E.c.instance, "bin"))
+
+
+def transfer_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
+    """KV bytes planned for transfer per (receiving instance, direction, time bin): dst,
+    direction, bin, bytes, transfers."""
+    p = E.c.payload
+    dst, direction = p["dst"].as_string(), p["direction"].as_string()
+    return _fetch(engine, select(
+        dst.label("dst"), direction.label("direction"), _bin(engine, width),
+        func.sum(p["bytes"].as_integer()).label("bytes"), func.count().label("transfers"),
+    ).where(E.c.run == run_id, E.c.type == "TransferPlanned").group_by(dst, direction, "bin"))
+
+
+def prefix_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
+    """Prompt tokens served from prefill's prefix cache against computed, per (prefill
+    instance, bin): instance, bin, cached, computed; and reuse reads among reuse decisions:
+    reuse_read, reuse_decided."""
+    p = E.c.payload
+    started = E.c.type == "PrefillStarted"
+    decided = E.c.type == "ReuseDecided"
+    return _fetch(engine, select(
+        E.c.instance, _bin(engine, width),
+        func.sum(case((started, p["cached_tokens"].as_integer()), else_=0)).label("cached"),
+        func.sum(case((started, p["computed_tokens"].as_integer()), else_=0)).label("computed"),
+        func.sum(case((and_(decided, p["outcome"].as_string() == "read"), 1), else_=0)
+                 ).label("reuse_read"),
+        func.sum(case((decided, 1), else_=0)).label("reuse_decided"),
+    ).where(E.c.run == run_id, E.c.type.in_(["PrefillStarted", "ReuseDecided"]))
+        .group_by(E.c.instance, "bin"))
+
+
+def occupancy(reqs: pd.DataFrame) -> pd.DataFrame:
+    """Waiting and running requests over time per instance, from `instance_requests` rows:
+    time, instance, state (waiting | running), count. Prefill: waiting from routing to prefill
+    start, running until prefill ends. Decode: waiting from routing until its KV arrived (or
+    its first token), running until it finished."""
+    parts = []
+    r = reqs.copy()
+    r["routed"] = r["routed"].fillna(r["arrived"])
+    r["kv_or_first"] = r["kv_received"].fillna(r["first_token"])
+
+    def spans(inst: str, start: str, end: str, state: str) -> None:
+        d = r[[inst, start, end]].dropna(subset=[inst, start])
+        if d.empty:
+            return
+        ends = d[end].fillna(float("inf"))
+        parts.append(pd.DataFrame({"time": d[start], "instance": d[inst], "state": state,
+                                   "delta": 1}))
+        closed = ends != float("inf")
+        parts.append(pd.DataFrame({"time": ends[closed], "instance": d.loc[closed, inst],
+                                   "state": state, "delta": -1}))
+
+    spans("prefill", "routed", "prefill_started", "waiting")
+    spans("prefill", "prefill_started", "prefill_finished", "running")
+    spans("decode", "routed", "kv_or_first", "waiting")
+    spans("decode", "kv_or_first", "finished", "running")
+    if not parts:
+        return pd.DataFrame(columns=["time", "instance", "state", "count"])
+    d = pd.concat(parts, ignore_index=True).sort_values(["time", "delta"], kind="stable")
+    d["count"] = d.groupby(["instance", "state"])["delta"].cumsum()
+    return d[["time", "instance", "state", "count"]].reset_index(drop=True)
+
+
+def attainment_windows(reqs: pd.DataFrame, ttft_s: float, tpot_s: float, width: float
+                       ) -> pd.DataFrame:
+    """Per time window of arrivals: offered (requests/s arriving), attainment (share of those
+    requests meeting both SLOs, among finished ones), goodput (such requests per second)."""
+    d = reqs.dropna(subset=["arrived"])
+    if d.empty:
+        return pd.DataFrame(columns=["window", "offered", "attainment", "goodput"])
+    t0 = d["arrived"].min()
+    w = ((d["arrived"] - t0) // width).astype(int)
+    met = (d["ttft"] <= ttft_s) & (d["tpot"].fillna(0.0) <= tpot_s) & d["ttft"].notna()
+    g = pd.DataFrame({"window": w, "met": met, "done": d["ttft"].notna()}).groupby("window")
+    out = pd.DataFrame({"offered": g.size() / width, "met": g["met"].sum(),
+                        "done": g["done"].sum()}).reset_index()
+    out["attainment"] = out["met"] / out["done"].where(out["done"] > 0)
+    out["goodput"] = out["met"] / width
+    return out[["window", "offered", "attainment", "goodput"]]

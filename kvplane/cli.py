@@ -27,6 +27,24 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kvplane import __version__
+
+        typer.echo(f"kvplane {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """kvplane: plan, run and see KV-cache movement in vLLM prefill/decode disaggregation."""
+
+
 sim_app = typer.Typer(help="The simulator: run scenarios (YAML) and sweeps.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
 
@@ -62,6 +80,8 @@ def sim_run(
     db: DbOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Write the summary JSON here.")] = None,  # noqa: UP045
     seed: Annotated[Optional[int], typer.Option(help="Override the scenario's seed.")] = None,  # noqa: UP045
+    requests: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        min=1, help="Override the requests per point (a quick look).")] = None,
     jobs: Annotated[int, typer.Option(help="Sweep points run in parallel processes.")] = 0,
     no_record: Annotated[bool, typer.Option("--no-record",
                                             help="Do not write events to the store.")] = False,
@@ -71,7 +91,8 @@ def sim_run(
     from kvplane.sim.runner import run_scenario
 
     try:
-        summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record)
+        summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record,
+                               requests=requests)
     except ScenarioError as exc:
         _fail(str(exc))
         return
@@ -81,7 +102,9 @@ def sim_run(
     if summary.get("run_id"):
         typer.echo(f"\nrun {summary['run_id']} recorded in {summary['db']}")
     if out is not None:
-        out.write_text(json.dumps(summary, indent=2))
+        from kvplane.results import json_safe
+
+        out.write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
         typer.echo(f"summary written to {out}")
 
 
@@ -119,49 +142,107 @@ def validate(
 
 @app.command()
 def plan(
-    scenario: Annotated[str, typer.Argument(help="Scenario YAML giving model, hardware and "
-                                            "workload (its sweep is ignored).")],
+    scenario: Annotated[str, typer.Argument(help="Scenario YAML or bundled name giving model, "
+                                            "hardware, engine and workload shape.")],
     ttft_p90_ms: Annotated[float, typer.Option(help="SLO: p90 TTFT in ms.")] = 1000.0,
     tpot_p90_ms: Annotated[float, typer.Option(help="SLO: p90 TPOT in ms.")] = 50.0,
-    qps: Annotated[Optional[float], typer.Option(help="Load to plan for (default: the "  # noqa: UP045
-                                                 "scenario's highest).")] = None,
+    qps: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        "--qps", "--rate", help="Rate to plan for: requests/s (multi-turn: new "
+        "conversations/s). Default: the scenario's highest swept rate.")] = None,
+    input_len: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Input tokens (multi-turn: first prompt). Default: the longest swept.")] = None,
+    output_len: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        help="Output tokens. Default: the longest swept.")] = None,
+    requests: Annotated[Optional[int], typer.Option(  # noqa: UP045
+        min=1, help="Requests per simulated run. Default: the scenario's.")] = None,
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds per candidate; a candidate must "
+                                       "meet the SLO at every seed.")] = 3,
+    gpu_hour_price: Annotated[Optional[float], typer.Option(  # noqa: UP045
+        min=0.0, help="Price of one GPU-hour: rank and print cost in $/h.")] = None,
     max_instances: Annotated[int, typer.Option(help="Largest xPyD total to try.")] = 8,
-    jobs: Annotated[int, typer.Option(help="Parallel processes.")] = 0,
+    jobs: Annotated[int, typer.Option(help="Parallel processes (0: one per core).")] = 0,
+    topology_out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        "--topology-out", help="Write the chosen configuration as a `kvplane deploy` "
+        "topology YAML here.")] = None,
+    model: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        help="With --topology-out: the model path or hub id for vLLM (default: the "
+        "profile's name).")] = None,
+    curve: Annotated[bool, typer.Option("--curve/--no-curve", help="Also run the chosen "
+                                        "setting at 0.25x-2x the rate on every shape tried "
+                                        "(the dashboard's Plan page).")] = True,
+    db: DbOpt = None,
+    record: Annotated[bool, typer.Option("--record/--no-record", help="Keep the search in "
+                                         "the store (the dashboard's Plan page).")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Search xPyD and connector settings for the cheapest configuration meeting an SLO."""
-    from kvplane.sim.config import ScenarioError
-    from kvplane.sim.planner import search
+    """Search xPyD and connector settings for the cheapest configuration meeting an SLO.
+
+    States the workload it plans for; every candidate runs at several seeds (intervals shown);
+    the chosen one can be written as a `kvplane deploy` topology.
+    """
+    from kvplane.sim.config import ScenarioError, load_scenario
+    from kvplane.sim.planner import plan as do_plan
 
     try:
-        text, found = search(scenario, ttft_p90_ms=ttft_p90_ms, tpot_p90_ms=tpot_p90_ms,
-                             qps=qps, max_instances=max_instances, jobs=jobs)
+        sc = load_scenario(scenario)
     except ScenarioError as exc:
         _fail(str(exc))
         return
-    typer.echo(text)
-    if not found:
+    from tqdm import tqdm
+
+    bar = tqdm(total=1, desc=f"planning {sc.name}", unit="sim", leave=False,
+               disable=as_json)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        result = do_plan(sc, ttft_p90_ms=ttft_p90_ms, tpot_p90_ms=tpot_p90_ms, rate=qps,
+                         input_len=input_len, output_len=output_len, requests=requests,
+                         seeds=seeds, max_instances=max_instances,
+                         gpu_hour_price=gpu_hour_price, jobs=jobs, curve=curve,
+                         progress=progress)
+    except (ScenarioError, ValueError) as exc:
+        bar.close()
+        _fail(str(exc))
+        return
+    bar.close()
+    data = result.as_dict()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, allow_nan=False))
+    else:
+        typer.echo(result.text())
+    if record:
+        from kvplane.store import open_store
+
+        with open_store(db) as store:
+            run_id = store.create_run("sim", f"plan:{sc.name}", meta={
+                "plan": data, "scenario": sc.model_dump(mode="json")})
+        if not as_json:
+            typer.echo(f"search recorded as run {run_id[:8]} (dashboard: Plan page)")
+    if topology_out is not None and result.chosen is not None:
+        from kvplane.plan_deploy import render, topology
+
+        topo = topology(data, sc, model=model)
+        from kvplane.live.deploy import TopologyError, load_topology
+
+        try:
+            load_topology(topo)
+        except TopologyError as exc:  # a bug here, not the user's: say so plainly
+            _fail(f"the topology written for the plan does not check: {exc}")
+        topology_out.write_text(render(data, topo))
+        if not as_json:
+            typer.echo(f"topology written to {topology_out}: kvplane deploy {topology_out}")
+    if not result.found:
         raise typer.Exit(1)
 
 
 @app.command()
-def runs(db: DbOpt = None) -> None:
-    """List the runs in the event store."""
-    from kvplane.store import open_store
-
-    with open_store(db, read_only=True) as store:
-        rows = store.runs()
-        if not rows:
-            typer.echo(f"no runs in {store.url}")
-            return
-        for r in rows:
-            typer.echo(f"{r.id}  {r.kind:<6} {str(r.started)[:19]}  events={store.count(r.id):<8}"
-                       f" {r.scenario}" + (f"  parent={r.parent}" if r.parent else ""))
-
-
-@app.command()
 def replay(
-    run: Annotated[str, typer.Argument(help="Run id (see `kvplane runs`); `latest` for the "
-                                       "newest.")],
+    run: Annotated[str, typer.Argument(help="Run id or a unique prefix (see `kvplane runs`); "
+                                       "`latest` for the newest.")],
     db: DbOpt = None,
     final: Annotated[bool, typer.Option(help="Also require the run to be quiescent: no "
                                         "leaked blocks, no transfer left in flight.")] = True,
@@ -179,8 +260,15 @@ def replay(
     Exits non-zero when an invariant is violated, printing each violation with its event.
     """
     from kvplane.core.replay import replay as do_replay
+    from kvplane.results import RunRefError, resolve_id
     from kvplane.store import RunNotFound, SequenceGap, open_store
 
+    if run != "latest":
+        with open_store(db, read_only=True) as store:
+            try:
+                run = resolve_id(store, run)
+            except RunRefError as exc:
+                _fail(str(exc))
     if into is not None:
         if into != "sim":
             _fail(f"--into takes `sim`, not {into!r}")
@@ -328,10 +416,11 @@ def demo(db: DbOpt = None) -> None:
 
 def _register_rooms() -> None:
     """Commands whose rooms keep their own CLI modules (imports inside stay lazy)."""
-    from kvplane import cli_live, cli_see
+    from kvplane import cli_live, cli_results, cli_see
 
     cli_live.register(app)
     cli_see.register(app)
+    cli_results.register(app)
 
 
 _register_rooms()

@@ -67,8 +67,9 @@ def dashboard(
 
 
 def twin(
-    run: Annotated[str, typer.Argument(help="Run id to re-simulate (`latest`: the newest run "
-                                       "with requests).")],
+    run: Annotated[str, typer.Argument(help="Run id or unique prefix to re-simulate "
+                                       "(`latest`, the default: the newest run with "
+                                       "requests that is not itself a twin).")] = "latest",
     db: DbOpt = None,
     scenario: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Scenario (bundled name or YAML) giving cluster, profiles, engine and connector; "
@@ -98,7 +99,8 @@ def twin(
 
             stmt = (select(runs_table.c.id).join(events_table, events_table.c.run ==
                                                   runs_table.c.id)
-                    .where(events_table.c.type == "RequestArrived")
+                    .where(events_table.c.type == "RequestArrived",
+                           runs_table.c.kind != "replay")  # not a twin of a twin
                     .group_by(runs_table.c.id, runs_table.c.started)
                     .order_by(runs_table.c.started.desc()).limit(1))
             with store.engine.connect() as conn:
@@ -106,6 +108,13 @@ def twin(
             if found is None:
                 _fail(f"no run with requests in {store.url}")
             run = str(found)
+        else:
+            from kvplane.results import RunRefError, resolve_id
+
+            try:
+                run = resolve_id(store, run)
+            except RunRefError as exc:
+                _fail(str(exc))
         try:
             new = replay_into_sim(store, run, scenario, profiles=profile or [], mode=mode)
         except RunNotFound as exc:

@@ -20,8 +20,10 @@ Rules kept here:
 - The twin is stored as one run of kind `replay` whose parent is the original, with the
   scenario it ran under (`meta.scenario`, self-contained) and its summary in `meta`.
 - A what-if is a scenario (usually a baseline's, with a few fields changed) run like the
-  runner runs it, one child run per sweep point under a sweep run of kind `sim` whose parent
-  is the baseline run, reporting progress as requests finish.
+  runner runs it, one child run per sweep point and seed under a sweep run of kind `sim` whose
+  parent is the baseline run, reporting progress as requests finish. Given the scenario
+  before the change (the control), it runs too, with the same seeds: two arms that differ in
+  the changed fields only, and the sweep lists those fields.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "LABEL_RE",
     "Progress",
     "RecordedRequest",
+    "differences",
     "parse_label",
     "recorded_requests",
     "replay_into_sim",
@@ -397,36 +400,82 @@ def run_whatif(
     baseline: str | None = None,
     changes: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    seeds: int = 1,
+    control: Scenario | None = None,
 ) -> dict[str, Any]:
     """Simulate every point of `scenario` into the store under a sweep run whose parent is
-    `baseline` (a run id, or None); return {"run_id", "points": [summary with run_id]}."""
+    `baseline` (a run id, or None), `seeds` times each (iterations with their own seeds).
+
+    With `control` (the scenario before the change), the control runs too, with the same
+    seeds and so the same arrivals wherever the change leaves the workload alone: the two arms
+    differ in the changed fields only, listed in the sweep's `meta.differences`.
+    Returns {"run_id", "points": [summary with run_id and arm], "differences"}."""
     if isinstance(db, EventStore):
-        return _whatif(db, scenario, baseline, changes or {}, progress)
+        return _whatif(db, scenario, baseline, changes or {}, progress, seeds, control)
     with open_store(db) as store:
-        return _whatif(store, scenario, baseline, changes or {}, progress)
+        return _whatif(store, scenario, baseline, changes or {}, progress, seeds, control)
+
+
+def differences(a: Scenario, b: Scenario) -> list[str]:
+    """Every field where two scenarios differ, as `dotted.path: a -> b` (sweep, name,
+    description and published figures left out)."""
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(d, dict):
+            out: dict[str, Any] = {}
+            for k, v in d.items():
+                out.update(flat(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: d}
+
+    skip = ("sweep", "name", "description", "published", "assumptions")
+    da = flat({k: v for k, v in a.model_dump(mode="json").items() if k not in skip})
+    db_ = flat({k: v for k, v in b.model_dump(mode="json").items() if k not in skip})
+    out = []
+    for key in sorted(set(da) | set(db_)):
+        if key.endswith((".source", ".description")):
+            continue
+        if da.get(key) != db_.get(key):
+            out.append(f"{key}: {da.get(key)!r} -> {db_.get(key)!r}")
+    return out
+
+
+def _with_seeds(sc: Scenario, seeds: int) -> Scenario:
+    from .config import Sweep
+
+    return sc.model_copy(update={"sweep": Sweep(iterations=max(seeds, 1))})
 
 
 def _whatif(store: EventStore, sc: Scenario, baseline: str | None, changes: dict[str, Any],
-            progress: Progress | None) -> dict[str, Any]:
-    points = sc.points()
+            progress: Progress | None, seeds: int, control: Scenario | None) -> dict[str, Any]:
+    arms = [("what-if", _with_seeds(sc, seeds).points())]
+    diff = differences(control, sc) if control is not None else []
+    if control is not None:
+        arms.insert(0, ("control", _with_seeds(control, seeds).points()))
+    total = sum(len(p) for _, p in arms)
     parent = store.create_run("sim", sc.name, parent=baseline, meta={
-        "points": len(points), "seed": sc.seed, "whatif": _finite(changes),
-        "scenario": sc.model_dump(mode="json"),
+        "points": total, "seed": sc.seed, "seeds": seeds, "whatif": _finite(changes),
+        "differences": diff, "scenario": sc.model_dump(mode="json"),
+        **({"control": control.model_dump(mode="json")} if control is not None else {}),
     })
     results = []
-    for i, point in enumerate(points):
-        run_id = store.create_run("sim", f"{sc.name}:{point.label}", parent=parent,
-                                  meta={"point": point.label, "seed": point.seed})
-        rec = BatchingRecorder(store, run_id)
-        try:
-            summary = _simulate_point(point, rec.record, progress,
-                                      f"point {i + 1}/{len(points)} {point.label}")
-        finally:
-            rec.close()
-        summary["run_id"] = run_id
-        _set_meta(store, run_id, {"summary": summary})
-        results.append(summary)
-    return {"run_id": parent, "scenario": sc.name, "points": results}
+    i = 0
+    for arm, points in arms:
+        for point in points:
+            i += 1
+            run_id = store.create_run("sim", f"{point.scenario.name}:{point.label}",
+                                      parent=parent, meta={"point": point.label,
+                                                           "seed": point.seed, "arm": arm})
+            rec = BatchingRecorder(store, run_id)
+            try:
+                summary = _simulate_point(point, rec.record, progress,
+                                          f"{arm} {i}/{total} seed {point.iteration + 1}")
+            finally:
+                rec.close()
+            summary["run_id"] = run_id
+            summary["arm"] = arm
+            _set_meta(store, run_id, {"summary": summary})
+            results.append(summary)
+    return {"run_id": parent, "scenario": sc.name, "points": results, "differences": diff}
 
 
 def _simulate_point(point: Point, record: Callable[[Any], None], progress: Progress | None,

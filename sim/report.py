@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,16 +13,21 @@ def points_table(points: Sequence[dict[str, Any]]) -> str:
             f"{'p90':>7} {'prefill':>8} {'xfer':>7} {'reuse read':>10} {'tok/s':>8}")
     rows = [head, "-" * len(head)]
     for p in points:
+        label = p["label"]
+        if p.get("rate_unit") == "conversations/s":  # a multi-turn rate: new conversations/s
+            label = re.sub(r"(^|_)qps([0-9.eE+-]+)(?=_|$)", r"\1\2conv/s", label)
         rows.append(
-            f"{p['label']:<34} {p['n']:>5} {p['ttft_ms']['mean']:>10.1f} "
+            f"{label:<34} {p['n']:>5} {p['ttft_ms']['mean']:>10.1f} "
             f"{p['ttft_ms']['p90']:>8.1f} {p['tpot_ms']['mean']:>10.2f} {p['tpot_ms']['p90']:>7.2f}"
             f" {p['prefill_ms']['mean']:>8.1f} {_num(p['transfer_ms']['mean']):>7}"
             f" {_num(p['reuse_read_ms']['mean']):>10} {p['throughput_tok_s']:>8.0f}")
-    return "\n".join(rows) + "\n(times in ms)"
+    return "\n".join(rows) + "\n(times in ms; conv/s: new conversations per second)" \
+        if any(p.get("rate_unit") == "conversations/s" for p in points) \
+        else "\n".join(rows) + "\n(times in ms)"
 
 
-def _num(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.1f}"
+def _num(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.1f}"
 
 
 def comparison_table(summary: dict[str, Any]) -> str:

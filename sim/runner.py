@@ -156,6 +156,8 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
         "output_len": point.output_len,
         "iteration": point.iteration,
         "seed": point.seed,
+        "rate_unit": ("conversations/s" if sc.workload.kind == "multi_turn" else
+                      "requests/s"),
         **stats,
         "mean_run_blocks": float(np.sum(blocks) / np.sum(runs)) if runs else None,
         "simulated_s": simulated,
@@ -185,11 +187,16 @@ def _run_point(args: tuple[Point, str | None, str | None]) -> dict[str, Any]:
 
 
 def run_scenario(scenario: str | Scenario, *, db: str | None = None, seed: int | None = None,
-                 jobs: int = 0, record: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Run every point of a scenario; record each under a child of one sweep run."""
+                 jobs: int = 0, record: bool = True, progress: bool = True,
+                 requests: int | None = None) -> dict[str, Any]:
+    """Run every point of a scenario; record each under a child of one sweep run.
+    `seed` and `requests` (per point) override the scenario's."""
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     if seed is not None:
         sc = sc.model_copy(update={"seed": seed})
+    if requests is not None:
+        sc = sc.model_copy(update={"requests": requests,
+                                   "warmup_requests": min(sc.warmup_requests, requests // 5)})
     points = sc.points()
     parent = None
     url = None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import leases, push_pull, reuse, runs, timeline, twin, whatif
+from . import leases, operations, plan, push_pull, reuse, runs, timeline, twin, whatif
 
 PAGES: dict[str, ModuleType] = {
-    m.TITLE: m for m in (runs, timeline, push_pull, reuse, leases, twin, whatif)
+    m.TITLE: m for m in (runs, operations, timeline, push_pull, reuse, leases, twin, whatif, plan)
 }

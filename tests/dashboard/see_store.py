@@ -22,9 +22,11 @@ def build_store(target: Path | str) -> SimpleNamespace:
     - a live-like recording: the `vllm bench serve` results in tests/data/vllm_bench,
       imported as a sweep (kind import) that says it reproduces seed_push_vs_pull;
     - a simulated twin of one imported point (kind replay, parent = that point);
+    - a `kvplane plan` search (a run whose meta holds the plan, no events);
     - a real live run (kind live): tests/data/live_run/live.db, recorded by `kvplane router`
       in front of two real vLLM servers running KvplaneConnector over real NIXL, copied in
-      with its events merged by time, and its simulated twin (tiny model, CPU profile).
+      with its events merged by time, and its simulated twin under the scenario the
+      run ships with (scenarios/live_sample_cpu.yaml, stamped in its meta).
 
     Returns the URL, the path and the run ids the tests use.
     """
@@ -38,7 +40,7 @@ def build_store(target: Path | str) -> SimpleNamespace:
     path = None if isinstance(target, str) else target
     # the live run goes in first, so the pages' defaults (the newest run) stay simulated ones
     live = copy_live_run(url)
-    live_twin = replay_into_sim(url, live, _cpu_scenario())
+    live_twin = replay_into_sim(url, live)  # the scenario it ships with
     pp = load_scenario("seed_push_vs_pull")
     pp = pp.model_copy(update={
         "requests": 10, "warmup_requests": 2,
@@ -54,6 +56,7 @@ def build_store(target: Path | str) -> SimpleNamespace:
     by_label = {p["label"]: p["run_id"] for p in push_pull["points"]}
     reuse_on = next(p["run_id"] for p in reuse["points"] if p["bidirectional"])
     reuse_off = next(p["run_id"] for p in reuse["points"] if not p["bidirectional"])
+    plan = plan_run(url)
     with open_store(url) as store:
         runs = len(store.runs())
     return SimpleNamespace(
@@ -62,8 +65,23 @@ def build_store(target: Path | str) -> SimpleNamespace:
         pull_point=by_label["pull_qps4_in4096_out128_iter0"],
         reuse_sweep=reuse["run_id"], reuse_on=reuse_on, reuse_off=reuse_off,
         import_sweep=imported["run_id"], measured=measured, twin=twin,
-        live=live, live_twin=live_twin,
+        live=live, live_twin=live_twin, plan=plan,
     )
+
+
+def plan_run(url: str) -> str:
+    """A small `kvplane plan` search (seed_push_vs_pull at 4 QPS, 4k input, up to 3
+    instances, 2 seeds) kept in the store as the CLI keeps it."""
+    from kvplane.sim.config import load_scenario
+    from kvplane.sim.planner import plan
+    from kvplane.store import open_store
+
+    sc = load_scenario("seed_push_vs_pull")
+    result = plan(sc, ttft_p90_ms=1500, tpot_p90_ms=20, rate=4, input_len=4096, requests=20,
+                  seeds=2, max_instances=3, jobs=1)
+    with open_store(url) as store:
+        return store.create_run("sim", f"plan:{sc.name}", meta={
+            "plan": result.as_dict(), "scenario": sc.model_dump(mode="json")})
 
 
 def copy_live_run(url: str) -> str:
@@ -78,21 +96,3 @@ def copy_live_run(url: str) -> str:
                              run_id=info.id)
         dst.append(run, events)
     return run
-
-
-def _cpu_scenario() -> object:
-    """What the live run ran: the tiny test model on this CPU machine, 1P1D, block size 32."""
-    from kvplane.sim.config import scenario_from_data
-
-    return scenario_from_data({
-        "name": "live-twin", "requests": 6,
-        "profiles": {"model": "tiny-test", "hardware": "cpu-test"},
-        "engine": {"block_size": 32, "max_num_seqs": 4, "max_model_len": 512,
-                   "activation_reserve_bytes": 1.0e8,
-                   "max_num_batched_tokens": 512},
-        "connector": {"mode": "pull", "bidirectional": True,
-                      "prefix_caching": {"prefill": False, "decode": False}},
-        "workload": {"kind": "poisson", "qps": 1.0,
-                     "input_len": {"mean": 200, "dist": "fixed"},
-                     "output_len": {"mean": 32, "dist": "fixed"}},
-    }, file="<live twin>")

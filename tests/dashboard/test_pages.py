@@ -68,6 +68,8 @@ def test_runs_page_lists_every_run_with_headline_figures(see_store, monkeypatch)
     assert set(table["kind"]) == {"sim", "import", "replay", "live"}
     push = table[table["id"] == see_store.push_point].iloc[0]
     assert push["requests"] == 12 and push["finished"] == 12 and push["failed"] == 0
+    live = table[table["id"] == see_store.live].iloc[0]
+    assert live["requests"] == 6  # recorded at three hops, one request each
     assert 50 < push["TTFT mean (ms)"] < 1000 and 3 < push["TPOT mean (ms)"] < 20
     sweep = table[table["id"] == see_store.sweep].iloc[0]
     assert sweep["children"] == 8 and sweep["events"] == 0
@@ -200,9 +202,37 @@ def test_leases_shows_retained_blocks_per_decode_instance(see_store, monkeypatch
     assert "prefill-0" in trace_names(charts(at)[0])
 
 
+def test_sim_vs_live_opens_on_the_live_run_and_its_twin(see_store, monkeypatch):
+    """Out of the box: the recorded live run beside the twin made from the scenario it ships
+    with, with CDFs, per-percentile errors and a per-request scatter."""
+    at = open_app(see_store, monkeypatch, "Sim vs live")
+    assert at.selectbox(key="twin_a").value == see_store.live
+    assert at.selectbox(key="twin_b").value == see_store.live_twin
+    errors = frame(at, 0)
+    assert len(errors) == 12 and (errors["measured (ms)"] > 0).all()
+    cdf, scatter = charts(at)
+    assert len(cdf["data"]) == 6 and len(arr(scatter["data"][0]["x"])) == 6
+    # the recording mixes push and pull+reuse; a twin runs one mode, and the page says so
+    assert [w.value for w in at.warning] == [next(w.value for w in at.warning
+                                                  if w.value.startswith("Routed differently"))]
+    assert "measured pull+reuse 3, push 3" in at.warning[0].value
+
+
+def test_sim_vs_live_pairs_only_runs_of_one_workload_and_says_why(see_store, monkeypatch):
+    at = open_app(see_store, monkeypatch, "Sim vs live")
+    at.selectbox(key="twin_a").set_value(see_store.measured).run()
+    assert len(at.selectbox(key="twin_b").options) == 1  # its twin only
+    assert at.selectbox(key="twin_b").value == see_store.twin
+    at.toggle(key="twin_any").set_value(True).run()
+    at.selectbox(key="twin_b").set_value(see_store.reuse_on).run()
+    ok(at)
+    assert "share no request" in at.warning[0].value
+    assert not at.get("plotly_chart") and not at.dataframe  # no table of unrelated numbers
+
+
 def test_sim_vs_live_lays_a_run_beside_its_twin(see_store, monkeypatch):
     at = open_app(see_store, monkeypatch, "Sim vs live")
-    assert at.selectbox(key="twin_a").value == see_store.measured
+    at.selectbox(key="twin_a").set_value(see_store.measured).run()
     assert at.selectbox(key="twin_b").value == see_store.twin
     ok(at)
     errors = frame(at, 0)
@@ -217,6 +247,7 @@ def test_sim_vs_live_lays_a_run_beside_its_twin(see_store, monkeypatch):
 def test_sim_vs_live_makes_a_twin(see_store, monkeypatch):
     at = open_app(see_store, monkeypatch, "Sim vs live")
     at.selectbox(key="twin_a").set_value(see_store.pull_point).run()
+    assert "no twin yet" in at.info[0].value and not at.dataframe
     at.button(key="twin_make").click().run()
     ok(at)
     with open_store(see_store.url) as store:
@@ -226,7 +257,7 @@ def test_sim_vs_live_makes_a_twin(see_store, monkeypatch):
     assert any("12 requests in both runs" in c.value for c in at.caption)
 
 
-def test_what_if_runs_the_simulator_and_shows_the_result_beside_the_baseline(
+def test_what_if_runs_control_and_change_with_seeds_and_says_what_differs(
         see_store, monkeypatch):
     at = open_app(see_store, monkeypatch, "What-if")
     at.selectbox(key="whatif_base").set_value(see_store.push_point).run()
@@ -236,20 +267,36 @@ def test_what_if_runs_the_simulator_and_shows_the_result_beside_the_baseline(
     assert at.selectbox(key="whatif_mode" + k).value == "push"
     at.selectbox(key="whatif_mode" + k).set_value("pull")
     at.number_input(key="whatif_y" + k).set_value(2)
+    at.number_input(key="whatif_dtp" + k).set_value(4)
+    at.number_input(key="whatif_seeds" + k).set_value(2)
     at.button(key="whatif_go").click().run()
     ok(at)
     assert at.success and "what-if recorded" in at.success[0].value
     with open_store(see_store.url) as store:
         sweeps = [r for r in store.runs("sim") if r.parent == see_store.push_point]
         assert len(sweeps) == 1
-        assert sweeps[0].meta["whatif"]["mode"] == "pull"
-        assert sweeps[0].meta["scenario"]["cluster"]["decode_instances"] == 2
+        meta = sweeps[0].meta
+        assert meta["whatif"] == {"mode": "pull", "decode_instances": 2, "decode_tp": 4}
+        assert sorted(meta["differences"]) == [
+            "cluster.decode_instances: 1 -> 2", "cluster.decode_tp: None -> 4",
+            "connector.mode: 'push' -> 'pull'"]
         points = [r for r in store.runs("sim") if r.parent == sweeps[0].id]
-        routed = {e.decode for e in store.events(points[0].id, "RequestRouted")}  # type: ignore[attr-defined]
-    assert routed == {"decode-0", "decode-1"}
+        arms = sorted(r.meta["arm"] for r in points)
+        assert arms == ["control", "control", "what-if", "what-if"]
+        seeds = {a: sorted(r.meta["seed"] for r in points if r.meta["arm"] == a)
+                 for a in ("control", "what-if")}
+        assert seeds["control"] == seeds["what-if"] and len(set(seeds["control"])) == 2
+        new = next(r for r in points if r.meta["arm"] == "what-if")
+        old = next(r for r in points if r.meta["arm"] == "control")
+        routed = {e.decode for e in store.events(new.id, "RequestRouted")}  # type: ignore[attr-defined]
+        assert routed == {"decode-0", "decode-1"}
+        assert {e.decode for e in store.events(old.id, "RequestRouted")} == {"decode-0"}  # type: ignore[attr-defined]
+        assert store.count(new.id, "RequestArrived") == store.count(old.id, "RequestArrived")
+    text = " ".join(m.value for m in at.markdown)
+    assert "What differs" in text and "connector.mode" in text
     result = frame(at, 0)
-    assert list(result.columns) == ["metric", "stat", "baseline (ms)", "what-if (ms)", "change"]
-    assert len(result) == 12
+    assert list(result.columns) == ["metric", "stat", "control (ms)", "what-if (ms)", "change"]
+    assert len(result) == 12 and result["change"].str.contains("±").all()
     assert len(charts(at)[0]["data"]) == 6
     progress = at.get("progress")
     assert progress and progress[-1].proto.value == 100
@@ -259,7 +306,7 @@ def test_a_page_link_opens_that_page_on_the_runs_it_names(see_store, monkeypatch
     monkeypatch.setenv("KVPLANE_DB", see_store.url)
     at = AppTest.from_file(str(APP), default_timeout=120)
     at.query_params["page"] = "timeline"
-    at.query_params["run"] = see_store.pull_point
+    at.query_params["run"] = see_store.pull_point[:8]  # a short id, as the pages show them
     at.run()
     ok(at)
     assert at.header[0].value == "Request timeline"
@@ -291,3 +338,64 @@ def test_sim_vs_live_compares_a_real_live_run_with_its_twin(see_store, monkeypat
     errors = frame(at, 0)
     assert (errors["measured (ms)"] > 0).all() and (errors["twin (ms)"] > 0).all()
     assert any("6 requests in both runs" in c.value for c in at.caption)
+
+
+def test_plan_page_states_the_workload_and_draws_attainment_against_instances_and_rate(
+        see_store, monkeypatch):
+    at = open_app(see_store, monkeypatch, "Plan")
+    assert at.selectbox(key="plan_run").value == see_store.plan
+    text = " ".join(m.value for m in at.markdown)
+    assert "4 requests/s, input 4096 tokens, output 128 tokens, 20 requests per run, 2 seeds" \
+        in text
+    verdicts = frame(at, 0)
+    assert list(verdicts["GPUs"]) == sorted(verdicts["GPUs"])  # cheapest first
+    assert set(verdicts["candidate"]) >= {"1P1D push", "1P1D pull"}
+    assert (verdicts["attainment %"].between(0, 100)).all()
+    chosen = at.success[0].value  # a choice: it meets the SLO, the curve ran for it
+    assert "Cheapest meeting the SLO" in chosen
+    assert verdicts[verdicts["meets SLO"]]["candidate"].isin([chosen.split("**")[1]]).any()
+    line, grid = charts(at)
+    assert all(t["name"].endswith("GPUs") for t in line["data"])
+    rates = sorted({x for t in line["data"] for x in arr(t["x"])})
+    assert rates[0] == 1.0 and rates[-1] == 8.0  # 0.25x to 2x the planned 4 QPS
+    assert grid["data"][0]["type"] == "heatmap"
+
+
+def test_operations_draws_per_instance_series_for_live_and_simulated_runs(see_store,
+                                                                         monkeypatch):
+    at = open_app(see_store, monkeypatch, "Operations")
+    assert at.selectbox(key="ops_run").value == see_store.live  # live runs first
+    figs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    names = {n for f in figs for n in trace_names(f)}
+    # the live run's two vLLM instances (named prefill and decode by the router)
+    assert {"prefill · waiting", "prefill · running", "decode · running"} <= names
+    assert any(n.startswith("decode · P->D") for n in names)  # transfers into decode
+    assert "decode · retained" in names and "decode pool capacity" in names
+    occ = next(f for f in figs if "waiting and running" in f["layout"]["title"]["text"])
+    running = next(t for t in occ["data"] if t["name"] == "decode · running")
+    counts = arr(running["y"])
+    assert max(counts) == 1 and min(counts) == 0  # one request at a time, idle between
+    at.selectbox(key="ops_run").set_value(see_store.reuse_on).run()
+    ok(at)
+    figs = charts(at)
+    names = {n for f in figs for n in trace_names(f)}
+    assert {"prefill-0 · running", "decode-0 · waiting"} <= names
+    assert "prefill-0 · reuse read" in names  # the D->P reuse hit rate
+    kv = next(f for f in figs if "KV cache use" in f["layout"]["title"]["text"])
+    pct = [v for t in kv["data"] for v in arr(t["y"])]
+    assert 0 < max(pct) <= 100
+    slo = next(f for f in figs if f["layout"]["title"]["text"].startswith("Per window"))
+    assert {"SLO attainment (%)", "goodput per GPU (req/s)"} == set(trace_names(slo))
+
+
+def test_timeline_draws_the_live_run(see_store, monkeypatch):
+    monkeypatch.setenv("KVPLANE_DB", see_store.url)
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.query_params["page"] = "timeline"
+    at.query_params["run"] = "live"  # a prefix of live-sample
+    at.run()
+    ok(at)
+    assert at.selectbox(key="timeline_run").value == see_store.live
+    names = set(trace_names(charts(at)[0]))
+    assert {"prefill", "transfer (P->D)", "decode", "reuse read (D->P)"} <= names
+    assert "6 of 6 requests match" in " ".join(c.value for c in at.caption)

@@ -8,8 +8,12 @@
   server error would show it. Field names and units (seconds) are vllm's.
 - `mooncake_trace.jsonl`: 12 requests in Mooncake's trace format (timestamp ms, lengths,
   chained hash ids of 512 tokens), two of them sharing a prefix.
+- `live_run/live.db` is recorded by real servers (see live_run/README.md); this script only
+  stamps the scenario it ran (scenarios/live_sample_cpu.yaml) into the run's meta, so
+  `kvplane twin` needs no --scenario: `make_test_data.py live-scenario`.
 
-    .venv/bin/python tests/data/make_test_data.py
+    .venv/bin/python tests/data/make_test_data.py            # bench files and trace
+    .venv/bin/python tests/data/make_test_data.py live-scenario
 """
 
 from __future__ import annotations
@@ -93,6 +97,32 @@ def trace() -> None:
     (HERE / "mooncake_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+LIVE_SCENARIO = "live_sample_cpu"
+
+
+def stamp_live_scenario(db: Path = HERE / "live_run" / "live.db",
+                        run_id: str = "live-sample") -> None:
+    """Write the bundled scenario the live run ran into its meta (`scenario`, self-contained,
+    and `scenario_name`), keeping what the recorder wrote there."""
+    from sqlalchemy import update
+
+    from kvplane.sim.config import load_scenario
+    from kvplane.store import open_store, runs_table
+
+    scenario = load_scenario(LIVE_SCENARIO).model_dump(mode="json")
+    with open_store(f"sqlite:///{db}") as store:
+        meta = {**store.run(run_id).meta, "scenario": scenario, "scenario_name": LIVE_SCENARIO}
+        with store.engine.begin() as conn:
+            conn.execute(update(runs_table).where(runs_table.c.id == run_id).values(meta=meta))
+        with store.engine.begin() as conn:  # fold the WAL back into the one file we ship
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
 if __name__ == "__main__":
-    bench_files()
-    trace()
+    import sys
+
+    if sys.argv[1:] == ["live-scenario"]:
+        stamp_live_scenario()
+    else:
+        bench_files()
+        trace()
