@@ -37,14 +37,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
-def _main_options(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
-) -> None:
-    """kvplane: plan, run and see KV-cache movement in vLLM prefill/decode disaggregation."""
-
-
 sim_app = typer.Typer(help="The simulator: run scenarios (YAML) and sweeps.", no_args_is_help=True)
 app.add_typer(sim_app, name="sim")
 
@@ -59,11 +51,14 @@ _debug = False
 
 @app.callback()
 def _global_options(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
     debug: Annotated[bool, typer.Option(
         "--debug", envvar="KVPLANE_DEBUG",
         help="Show the traceback of an error (a damaged store, say) as well as its message.")
     ] = False,
 ) -> None:
+    """kvplane: plan, run and see KV-cache movement in vLLM prefill/decode disaggregation."""
     global _debug
     _debug = debug
 
