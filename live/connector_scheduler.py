@@ -262,14 +262,13 @@ class SchedulerHalf:
         except (ValueError, PeerError, signing.SignatureError) as exc:
             logger.warning("kvplane %s: refused unhold request: %s", self.me.instance, exc)
             return None
-        return self._release_hold(src.xfer, src.attempt)
+        return self._release_hold(src.xfer, src.lease)
 
     @_locked
-    def _release_hold(self, xfer: str, attempt: int) -> bytes:
-        if self.prefill.phase(xfer, attempt) != "holding":
-            return json.dumps({"xfer": xfer, "released": False}).encode()
-        events = self._handle("prefill", pcore.Abort(xfer, attempt), self.clock())
-        return json.dumps({"xfer": xfer, "released": bool(events)}).encode()
+    def _release_hold(self, xfer: str, lease: str) -> bytes:
+        events = self._handle("prefill", Release(lease, "decode refused the leg"), self.clock())
+        released = any(isinstance(e, LeaseReleased) for e in events)
+        return json.dumps({"xfer": xfer, "released": released}).encode()
 
     @_locked
     def _control(self, kind: str, lease: str) -> bytes | None:
@@ -503,14 +502,18 @@ class SchedulerHalf:
         if leg is None:
             return None
         key = (leg.role, leg.xfer, leg.attempt)
-        if not self.claims.claim(key, request.request_id):
+        # only a leg that moves KV claims its exchange: a refused (forged) one must not take
+        # the transfer id away from the real request
+        moves = leg.role == "prefill" or leg.source is not None
+        if moves and not self.claims.claim(key, request.request_id):
             # n > 1, a batch prompt or a replay: another request owns this exchange; this one
             # computes its prompt itself, with no transfer and no hold
             if request.request_id not in self._unclaimed:
                 self._unclaimed.add(request.request_id)
                 self.fault(f"{leg.role} leg {leg.xfer}#{leg.attempt} already belongs to "
                            f"request {self.claims.owner(key)}; request {request.request_id} "
-                           "computes its prompt", PeerError("duplicate transfer id"))
+                           "computes its prompt", PeerError("duplicate transfer id"),
+                           request=f"{leg.xfer}~{request.request_id}")
             return None
         req = Req(request.request_id, leg, request, leg.attempt,
                   preemptions=getattr(request, "num_preemptions", 0))

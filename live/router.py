@@ -65,6 +65,7 @@ from kvplane.core.events import (
     SessionTaken,
 )
 from kvplane.core.reuse import RetainedHandle
+from kvplane.core.router_rules import check_request, put_back, retry_prefill_without_reuse
 from kvplane.core.routing import Load, Policy, choose
 from kvplane.core.sessions import Drop, Expire, Renew, SessionKey, SessionTable, Store, Take
 
@@ -96,6 +97,7 @@ from .router_upstream import (
     side_fetch_handle,
     side_heartbeat,
     side_release,
+    side_unhold,
 )
 
 log = logging.getLogger("kvplane.router")
@@ -162,6 +164,7 @@ class Contact:
     timeout: bool = False
     identity: Identity | None = None
     models: tuple[str, ...] = ()
+    max_model_len: int | None = None
     checked_at: float = float("-inf")  # monotonic
     lock: asyncio.Lock | None = None
 
@@ -413,6 +416,9 @@ class Router:
             c.models = tuple(
                 str(m["id"]) for m in data or () if isinstance(m, dict) and "id" in m
             )
+            lens = [m.get("max_model_len") for m in data or () if isinstance(m, dict)]
+            ints = [n for n in lens if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+            c.max_model_len = min(ints) if ints else None
             if self.config.check_settings:
                 try:
                     ident = await fetch_identity(up, limit)
@@ -568,6 +574,10 @@ class Router:
         if model is not None and known and model not in known:
             raise Refusal(404, f"The model `{model}` does not exist (served: "
                           f"{', '.join(known)})", code="model_not_found", param="model")
+        lens = [c.max_model_len for c in self.contacts.values() if c.max_model_len]
+        problem = check_request(body, chat=chat, max_model_len=min(lens) if lens else None)
+        if problem is not None:  # before any engine works on it
+            raise Refusal(400, problem.message, code=problem.code, param=problem.param)
         turn = Turn(
             id=f"kvp-{uuid.uuid4().hex}",
             endpoint="chat" if chat else "completions",
@@ -727,7 +737,7 @@ class Router:
         try:
             answer = await self._prefill_leg(turn, reuse)
         except UpstreamError as exc:
-            if reuse is None or exc.kind not in ("status", "protocol") or exc.status < 500:
+            if not retry_prefill_without_reuse(reuse is not None, exc.kind, exc.status):
                 raise
             self._reuse_failed(turn, "prefill_error", f"prefill failed with the handle: {exc}")
             turn.attempt += 1
@@ -781,7 +791,26 @@ class Router:
             )
         )
         self.metrics.transfers.labels(self.config.mode, "P->D").inc()
-        return await self._decode_leg(request, turn, pulled=params, source=None, guard=None)
+        try:
+            return await self._decode_leg(request, turn, pulled=params, source=None,
+                                          guard=None)
+        except UpstreamError as exc:
+            if exc.kind == "status" and 400 <= exc.status < 500:
+                # decode refused the leg before its engine saw it: nothing will read
+                # prefill's hold, so give it back now rather than after its lease
+                await self._unhold(turn, pull)
+            raise
+
+    async def _unhold(self, turn: Turn, pull: Mapping[str, Any]) -> None:
+        up = turn.prefill
+        assert up is not None
+        try:
+            released = await side_unhold(up, pull, self.config.timeouts.control)
+        except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
+            log.warning("giving back %s's hold on %s failed: %s", turn.id, up.id, exc)
+            return
+        log.info("decode refused %s: prefill %s %s its hold", turn.id, up.id,
+                 "released" if released else "did not release")
 
     async def _push(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         assert turn.prefill is not None
@@ -1041,7 +1070,8 @@ class Router:
         if turn.stored:
             if current is None or current.lease != taken.lease:
                 self._release_later(key, taken, turn.taken_wire, "superseded")
-        elif taken.expires_at > now and current is None:
+        elif put_back(stored_new=turn.stored, taken_expires_at=taken.expires_at, now=now,
+                      table_has_newer=current is not None):
             # nothing newer (the turn failed, or decode kept nothing): the old KV is still a
             # prefix of the conversation, so keep it for the next turn
             self._store(key, taken, turn.taken_wire, turn.id, now)
