@@ -91,6 +91,7 @@ def test_signed_handles_refuse_forgery_other_transfers_and_expiry() -> None:
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [[1, 2], [3]]}, "prompt"),
     ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 2, "temperature": 0}, "n"),
     ({"prompt": "a", "best_of": 2}, "best_of"),
     ({"prompt": "a", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),

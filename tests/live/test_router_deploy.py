@@ -99,8 +99,8 @@ def test_ucx_1p1d_command_lines() -> None:
             "side_channel_port": 5600, "bidirectional_kv_xfer": False, "backends": ["UCX"],
         },
     }
-    assert argv[-6:] == ["--no-enable-prefix-caching", "--max-model-len", "32768",
-                         "--max-num-seqs", "8", "--enforce-eager"]
+    assert argv[-5:] == ["--max-model-len", "32768", "--max-num-seqs", "8", "--enforce-eager"]
+    assert "--no-enable-prefix-caching" not in argv  # vLLM's default (on) is kept
     r = list(router.argv)
     assert r[:2] == ["kvplane", "router"]
     assert r[r.index("--mode") + 1] == "push" and r[r.index("--policy") + 1] == "least_loaded"
@@ -279,7 +279,8 @@ def test_script_starts_everything_and_waits_for_health(tmp_path: Path) -> None:
     script = tmp_path / "serve.sh"
     script.write_text(render_script(load_topology(raw)))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "KVPLANE_DB": "sqlite://",
-           "KVPLANE_RUN": "r", "KVPLANE_HANDLE_KEY": "k" * 32, "LOG_DIR": str(tmp_path / "logs")}
+           "KVPLANE_RUN": "r", "KVPLANE_HANDLE_KEY": "k" * 32, "LOG_DIR": str(tmp_path / "logs"),
+           "KVPLANE_UPSTREAM_API_KEY": "u" * 32}
     proc = subprocess.Popen(["bash", str(script), "all"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
