@@ -53,7 +53,8 @@ def check_request(body: Mapping[str, Any], *, chat: bool,
     if n is not None and (not _int(n) or n < 1):
         return Problem("n", "invalid_value", "n must be a positive integer")
     temperature = body.get("temperature")
-    if _int(n) and n > 1 and isinstance(temperature, (int, float)) and temperature == 0:
+    if isinstance(n, int) and n > 1 and isinstance(temperature, (int, float)) \
+            and temperature == 0:
         return Problem("n", "invalid_value",
                        "n > 1 needs sampling (temperature > 0): greedy samples are all equal")
     best_of = body.get("best_of")
