@@ -53,8 +53,10 @@ from kvplane.core.events import (
     KVReceived,
     LeaseExpired,
     LeaseGranted,
+    LeasePinned,
     LeaseReleased,
     LeaseRenewed,
+    LeaseUnpinned,
     PrefillStarted,
     RegistrationDropped,
     RegistrationSent,
@@ -65,7 +67,7 @@ from kvplane.core.events import (
     TransferPlanned,
 )
 from kvplane.core.hashing import block_hashes
-from kvplane.core.lease import Heartbeat, Release
+from kvplane.core.lease import BeginRead, EndRead, Heartbeat, Release
 from kvplane.core.plan import KVLayout, plan_transfer
 from kvplane.live.connector_config import ConnectorConfig
 from kvplane.live.connector_wire import (
@@ -93,6 +95,7 @@ logger = logging.getLogger(__name__)
 
 _OK_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 _TICK_EVERY = 0.02
+PIN_MARGIN = 0.3  # a READ ends this long before the lease it reads under could expire
 
 
 @dataclass(slots=True)
@@ -236,6 +239,8 @@ class SchedulerHalf:
         kind, _, rest = key.partition("/")
         if kind == "unhold":
             return self._unhold(rest)
+        if kind in ("pin", "unpin"):
+            return self._pin(kind, rest)
         if kind not in ("renew", "release"):
             return None
         try:
@@ -263,6 +268,39 @@ class SchedulerHalf:
             logger.warning("kvplane %s: refused unhold request: %s", self.me.instance, exc)
             return None
         return self._release_hold(src.xfer, src.lease)
+
+    def _pin(self, kind: str, raw: str) -> bytes | None:
+        """A reader's `pin/` before its READ of our blocks (the lease must be alive; it stays
+        until `unpin/`), for a handle this instance (pull) or the router (reuse) signed."""
+        try:
+            body = json.loads(raw)
+            handle, reader = body["handle"], str(body["reader"])
+            if body.get("kind") == "pull":
+                if self.key:
+                    signing.verify(self.key, handle)
+                src = SourceHandle.from_dict(handle)
+                role, lease, owner = "prefill", src.lease, src.source.instance
+            else:
+                self._verify(handle)
+                role, lease = "decode", str(handle["lease"])
+                owner = Endpoint.from_dict(handle["source"]).instance
+            if owner != self.me.instance:
+                raise PeerError("the handle names another instance")
+            duration = max(0.0, float(body.get("duration", 0.0)))
+        except (ValueError, KeyError, TypeError, PeerError, signing.SignatureError) as exc:
+            logger.warning("kvplane %s: refused %s request: %s", self.me.instance, kind, exc)
+            return None
+        return self._pin_lease(kind, role, lease, reader, duration)
+
+    @_locked
+    def _pin_lease(self, kind: str, role: str, lease: str, reader: str,
+                   duration: float) -> bytes | None:
+        cmd: Any = BeginRead(lease, reader, duration) if kind == "pin" else EndRead(lease, reader)
+        events = self._handle(role, cmd, self.clock())
+        want = LeasePinned if kind == "pin" else LeaseUnpinned
+        if not any(isinstance(e, want) for e in events):
+            return None
+        return json.dumps({"lease": lease, kind: True}).encode()
 
     @_locked
     def _release_hold(self, xfer: str, lease: str) -> bytes:
@@ -395,23 +433,27 @@ class SchedulerHalf:
                 src = req.leg.pull
                 plan = plan_transfer(src.layout, self.layout, ev.src_blocks, ev.dst_blocks,
                                      ev.num_tokens)
+                wire = (req.request.kv_transfer_params or {})["kvplane"]["pull"]
                 self.pending.orders.append(Order(
                     "read", xfer, attempt, src.source,
                     tuple(block_runs(plan, src.layout.block_size, self.layout.block_size)),
                     notify=encode_notif("READ", {"xfer": xfer, "attempt": attempt}),
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
-                                                 src.expires_at),
-                    purpose="pull"))
+                                                 src.expires_at, margin=PIN_MARGIN),
+                    purpose="pull", pin=self._pin_body("pull", wire, xfer, attempt)))
             elif ev.direction == "D->P":  # reuse: READ decode's retained blocks
                 handle = self.retained_of[(xfer, attempt)]
                 plan = plan_transfer(handle.layout, self.layout, ev.src_blocks, ev.dst_blocks,
                                      ev.num_tokens)
+                wire = (req_of.request.kv_transfer_params or {})["kvplane"]["reuse"] \
+                    if (req_of := self.by_key.get(("prefill", xfer, attempt))) else None
                 self.pending.orders.append(Order(
                     "read", xfer, attempt, handle.source,
                     tuple(block_runs(plan, handle.layout.block_size, self.layout.block_size)),
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
-                                                 handle.expires_at, margin=0.05),
-                    purpose="reuse"))
+                                                 handle.expires_at, margin=PIN_MARGIN),
+                    purpose="reuse",
+                    pin=self._pin_body("reuse", wire, xfer, attempt) if wire else ""))
             else:  # push: WRITE into decode's registered blocks
                 peer = self.decode_of[(xfer, attempt)]
                 reg = self.prefill.entries[(xfer, attempt)].registration
@@ -442,6 +484,10 @@ class SchedulerHalf:
                               xfer, attempt, now, ok=False, reason=f"cannot carry out: {exc}",
                               purpose="pull" if role == "decode" else (
                                   "reuse" if ev.direction == "D->P" else "push")))
+
+    def _pin_body(self, kind: str, handle: Any, xfer: str, attempt: int) -> str:
+        return json.dumps({"kind": kind, "handle": handle,
+                           "reader": f"{self.me.instance}/{xfer}#{attempt}"})
 
     def _order_registration(self, ev: RegistrationSent, req: Req | None, now: float) -> None:
         if req is None or req.leg.source is None:

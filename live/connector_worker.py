@@ -14,7 +14,10 @@ How it works:
   A peer's handshake is fetched from the peer's side channel by a separate small pool
   (`kvplane-handshake`) the first time an order needs that peer; the order waits (with its
   deadline) while other peers' transfers go on, so an unreachable peer delays only the orders
-  addressed to it, never another tenant's transfer. The engine
+  addressed to it, never another tenant's transfer.
+- A READ of a peer's leased blocks (pull hold, retained KV) first pins the lease on the peer's
+  side channel (`pin/`, on the same pool): a lease that is gone or would expire before the READ
+  ends refuses, and the READ fails instead of reading freed blocks; `unpin/` follows the READ. The engine
   thread only hands it orders and takes back facts through queues, so preparing descriptors,
   handshakes and waiting never happen on the engine loop (decode's loop in push mode only
   queues a registration order).
@@ -165,6 +168,7 @@ class TransferThread:
         self._fetching: dict[tuple[str, int], cf.Future[bytes]] = {}
         self._waiting: dict[tuple[str, int], list[Order]] = {}
         self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="kvplane-handshake")
+        self._pinning: list[tuple[cf.Future[bytes], Order]] = []
         self._inflight: list[_InFlight] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvplane-xfer-{name}",
@@ -198,6 +202,7 @@ class TransferThread:
                 logger.exception("kvplane: transfer thread failed to start an order")
             try:
                 busy |= self._handshakes()
+                busy |= self._pins()
                 busy |= self._poll()
                 busy |= self._drain()
             except Exception:
@@ -205,7 +210,7 @@ class TransferThread:
             if busy or self._inflight:
                 idle = 0.0
                 time.sleep(0)
-            elif self._waiting:
+            elif self._waiting or self._pinning:
                 idle = 0.0
                 self._stop.wait(0.001)
             else:
@@ -261,7 +266,41 @@ class TransferThread:
     def _forget_peer(self, ep: Endpoint) -> None:
         self._peers.pop((ep.host, ep.port), None)
 
-    def _start(self, order: Order) -> None:
+    def _pins(self) -> bool:
+        """READs waiting for their pin: posted once pinned, failed if refused."""
+        if not self._pinning:
+            return False
+        busy, still = False, []
+        for fut, order in self._pinning:
+            if not fut.done():
+                still.append((fut, order))
+                continue
+            busy = True
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - refused, unreachable or nonsense
+                self._fact(order, "read_done", False,
+                           f"the source's lease is not alive (pin refused): {exc}")
+                continue
+            self._start(order, pinned=True)
+        self._pinning = still
+        return busy
+
+    def _ask_pin(self, order: Order) -> bytes:
+        body = json.loads(order.pin)
+        body["duration"] = max(0.0, order.deadline - time.time()) if order.deadline else 1.0
+        return fetch(order.peer.host, order.peer.port, "pin/" + json.dumps(body))
+
+    def _unpin(self, order: Order) -> None:
+        def go() -> None:
+            try:
+                fetch(order.peer.host, order.peer.port, "unpin/" + order.pin)
+            except Exception as exc:  # noqa: BLE001 - the pin then ends with the lease
+                logger.warning("kvplane: unpin after the READ of %s failed: %s", order.xfer, exc)
+
+        self._pool.submit(go)
+
+    def _start(self, order: Order, pinned: bool = False) -> None:
         done = "notify_done" if order.kind == "notify" else f"{order.kind}_done"
         if order.deadline and time.time() > order.deadline:
             self._fact(order, done, False, "deadline passed before the transfer started")
@@ -275,6 +314,9 @@ class TransferThread:
                                                         rank_key(self.rank))
             return
         peer, geom = self._peers[key]
+        if order.kind == "read" and order.pin and not pinned:
+            self._pinning.append((self._pool.submit(self._ask_pin, order), order))
+            return
         if order.kind == "notify":
             res = self.transport.send_notification(peer, order.notify)
             if not res.ok:
@@ -317,6 +359,8 @@ class TransferThread:
         seconds = time.perf_counter() - f.started
         order = f.order
         reason = "" if ok else (res.reason if res is not None else "no result")
+        if order.kind == "read" and order.pin:
+            self._unpin(order)
         if ok and order.kind == "read" and order.notify:
             sent = self.transport.send_notification(f.peer, order.notify)
             if not sent.ok:

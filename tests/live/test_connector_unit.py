@@ -515,3 +515,24 @@ def test_config_refuses_unknown_keys_and_a_key_in_the_config(tmp_path: Any,
     assert load_handle_key(cfg) == b"from-env"
     assert "from-env" not in repr(cfg) and "from-a-file" not in repr(cfg)
     assert ConnectorConfig.from_extra({"backends": ["UCX"]}).backends == ("UCX",)
+
+
+def test_a_read_pins_the_lease_it_reads_under() -> None:
+    key = b"unit-test-key-0123456789abcdef"
+    pair = Pair()
+    P = pair.half("P", key=key)
+    rp, (_, params) = run_prefill(pair, "pin", PROMPT, [1, 2, 3, 4, 5])
+    pull = params["kvplane"]["pull"]
+    body = {"kind": "pull", "handle": pull, "reader": "D/pin#0", "duration": 5.0}
+    assert P._control_request("pin/" + json.dumps({**body, "handle": {**pull, "lease": "x"}})) \
+        is None  # altered: refused
+    assert json.loads(P._control_request("pin/" + json.dumps(body)) or b"{}")["pin"] is True
+    P.on_fact(Fact("notif", "pin", 0, pair.clock(), notif="READ",
+                   body={"xfer": "pin", "attempt": 0}))  # decode's READ is done
+    assert rp.request_id not in P.build_connector_meta().finished_sending  # still pinned
+    assert P._control_request("unpin/" + json.dumps(body)) is not None
+    assert rp.request_id in P.build_connector_meta().finished_sending
+    late = {**body, "reader": "D/other#0"}
+    assert P._control_request("pin/" + json.dumps(late)) is None  # the lease is gone
+    assert pair.of(ev.LeasePinned, instance="P") and pair.of(ev.LeaseUnpinned, instance="P")
+    pair.replay_ok()
