@@ -5,9 +5,18 @@ What it serves: OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/comp
 (Prometheus). Modes: `pull`, `push`, `bidirectional` (SPEC.md sections 1-3). The legs it sends
 and the answers it reads are `router_upstream`'s (the connector contract).
 
+This file follows one request: admit (check and refuse before any engine works on it,
+`kvplane.core.router_rules`), choose, prefill leg, decode leg, relay, end. First contact with
+the instances is `router_contacts`, the conversation table and its leases `router_leases`,
+refusals and the reading of an instance's answer `router_errors`.
+
 Rules it keeps:
 - Only the router writes `kv_transfer_params`: a client body that carries the field is refused
   with 400. Decode's answers lose the field before they reach the client.
+- What P/D cannot serve (batch prompts, beam search, `best_of` > 1, greedy `n` > 1,
+  `prompt_logprobs`, bad `max_tokens`/`min_tokens`) is refused before the prefill leg; the
+  prefill leg is the request cut to one token without output-shaping fields; when decode
+  refuses its leg (4xx) in pull, prefill's hold is given back at once (`unhold/`).
 - Pull and bidirectional: prefill's one-token leg first, then decode's leg with the metadata
   prefill returned. Push: both legs at once, one `X-Request-Id`; if prefill fails, decode's
   leg is cut and the client gets the reason.
