@@ -437,7 +437,7 @@ class SchedulerHalf:
                 self.pending.orders.append(Order(
                     "read", xfer, attempt, src.source,
                     tuple(block_runs(plan, src.layout.block_size, self.layout.block_size)),
-                    notify=encode_notif("READ", {"xfer": xfer, "attempt": attempt}),
+                    notify=self._notif("READ", {"xfer": xfer, "attempt": attempt}),
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
                                                  src.expires_at, margin=PIN_MARGIN),
                     purpose="pull", pin=self._pin_body("pull", wire, xfer, attempt)))
@@ -472,7 +472,7 @@ class SchedulerHalf:
                     self.pending.orders.append(Order(
                         "write", xfer, attempt, peer,
                         tuple(block_runs(plan, self.layout.block_size, dst_layout.block_size)),
-                        notify=encode_notif("DONE", {"xfer": xfer, "attempt": attempt,
+                        notify=self._notif("DONE", {"xfer": xfer, "attempt": attempt,
                                                      "src_rank": stream.src_rank,
                                                      "dst_rank": stream.dst_rank}),
                         deadline=deadline, purpose="push"))
@@ -484,6 +484,13 @@ class SchedulerHalf:
                               xfer, attempt, now, ok=False, reason=f"cannot carry out: {exc}",
                               purpose="pull" if role == "decode" else (
                                   "reuse" if ev.direction == "D->P" else "push")))
+
+    def _notif(self, kind: Any, body: dict[str, Any]) -> bytes:
+        """A NIXL notification to a peer, signed with the handle key (when there is one): a
+        peer only acts on notifications another instance of the deployment sent."""
+        if self.key:
+            body = signing.sign(self.key, {**body, "kind": kind})
+        return encode_notif(kind, body)
 
     def _pin_body(self, kind: str, handle: Any, xfer: str, attempt: int) -> str:
         return json.dumps({"kind": kind, "handle": handle,
@@ -499,7 +506,7 @@ class SchedulerHalf:
                 "num_tokens": ev.num_tokens, "layout": layout_to_dict(self.layout),
                 "deadline": ev.deadline}
         self.pending.orders.append(Order("notify", ev.request or "", ev.attempt, req.leg.source,
-                                         notify=encode_notif("REG", body),
+                                         notify=self._notif("REG", body),
                                          deadline=now + self.cfg.transfer_timeout,
                                          purpose="register"))
 
@@ -511,7 +518,7 @@ class SchedulerHalf:
             return
         self.pending.orders.append(Order(
             "notify", xfer, attempt, peer,
-            notify=encode_notif("FAIL", {"xfer": xfer, "attempt": attempt, "reason": reason}),
+            notify=self._notif("FAIL", {"xfer": xfer, "attempt": attempt, "reason": reason}),
             deadline=self.clock() + self.cfg.transfer_timeout, purpose="fail"))
 
     # ---- vLLM hooks -----------------------------------------------------------------------------
@@ -923,6 +930,15 @@ class SchedulerHalf:
 
     def _on_notif(self, fact: Fact) -> None:
         body, now = fact.body, fact.at
+        if self.key:
+            try:
+                signing.verify(self.key, body)
+                if body.get("kind") != fact.notif:
+                    raise signing.SignatureError("signed for another kind of notification")
+            except signing.SignatureError as exc:
+                self.fault(f"{fact.notif} notification refused", exc,
+                           request=f"{fact.xfer}~notif", attempt=fact.attempt, at=now)
+                return
         try:
             xfer, attempt = str(body["xfer"]), int(body["attempt"])
             if fact.notif == "REG":

@@ -527,8 +527,10 @@ def test_a_read_pins_the_lease_it_reads_under() -> None:
     assert P._control_request("pin/" + json.dumps({**body, "handle": {**pull, "lease": "x"}})) \
         is None  # altered: refused
     assert json.loads(P._control_request("pin/" + json.dumps(body)) or b"{}")["pin"] is True
-    P.on_fact(Fact("notif", "pin", 0, pair.clock(), notif="READ",
-                   body={"xfer": "pin", "attempt": 0}))  # decode's READ is done
+    from kvplane.core.signing import sign
+
+    P.on_fact(Fact("notif", "pin", 0, pair.clock(), notif="READ",  # decode's READ is done
+                   body=sign(key, {"xfer": "pin", "attempt": 0, "kind": "READ"})))
     assert rp.request_id not in P.build_connector_meta().finished_sending  # still pinned
     assert P._control_request("unpin/" + json.dumps(body)) is not None
     assert rp.request_id in P.build_connector_meta().finished_sending
@@ -536,3 +538,30 @@ def test_a_read_pins_the_lease_it_reads_under() -> None:
     assert P._control_request("pin/" + json.dumps(late)) is None  # the lease is gone
     assert pair.of(ev.LeasePinned, instance="P") and pair.of(ev.LeaseUnpinned, instance="P")
     pair.replay_ok()
+
+
+def test_notifications_are_signed_and_forged_ones_dropped() -> None:
+    key = b"unit-test-key-0123456789abcdef"
+    pair = Pair()
+    pair.half("P", key=key)
+    D = pair.half("D", key=key)
+    rd = request("nf-d", push_decode_leg("nf"), PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)
+    meta = D.build_connector_meta()
+    reg = decode_notif(meta.orders[0].notify)
+    assert reg is not None and isinstance(reg[1]["sig"], str)
+    # someone inside the network claims prefill has written decode's blocks
+    for body in ({"xfer": "nf", "attempt": 0, "src_rank": 0, "dst_rank": 0},
+                 {"xfer": "nf", "attempt": 0, "src_rank": 0, "dst_rank": 0, "sig": "00"}):
+        D.on_fact(Fact("notif", "nf", 0, pair.clock(), notif="DONE", body=body))
+    assert not pair.of(ev.KVReceived, instance="D")
+    assert len([e for e in pair.of(ev.KVLoadFailed) if "DONE notification refused" in e.reason]) \
+        == 2
+    # the real exchange still completes
+    pair.halves["P"].on_fact(Fact("notif", "nf", 0, pair.clock(), notif="REG", body=reg[1]))
+    run_prefill(pair, "nf", PROMPT, [1, 2, 3, 4, 5], mode="push")
+    pair.step("P")
+    assert rd.request_id in pair.step("D").finished_recving
+    assert pair.of(ev.KVReceived, instance="D")

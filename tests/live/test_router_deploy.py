@@ -82,6 +82,9 @@ def test_ucx_1p1d_command_lines() -> None:
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert dict(decode.env)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"  # one per instance
     assert env["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp" and "FI_PROVIDER" not in env
+    # the instances take only the router's API key, which reaches both from the environment
+    assert env["VLLM_API_KEY"] == "$KVPLANE_UPSTREAM_API_KEY"
+    assert dict(router.env)["KVPLANE_UPSTREAM_API_KEY"] == "$KVPLANE_UPSTREAM_API_KEY"
     argv = list(prefill.argv)
     assert argv[:3] == ["vllm", "serve", "/models/Qwen3-0.6B"]
     assert argv[argv.index("--port") + 1] == "8100"
@@ -183,6 +186,10 @@ def test_efa_topology_two_nodes_libfabric() -> None:
             {"role": "decode", "host": "h", "port": 8100, "side_channel_port": 5600},
             {"role": "decode", "host": "h", "port": 8200, "side_channel_port": 5601}]},
          "at least one prefill instance is needed"),
+        ({"instances": [
+            {"role": "prefill", "host": "0.0.0.0", "port": 8100, "side_channel_port": 5600},
+            {"role": "decode", "host": "h", "port": 8200, "side_channel_port": 5601}]},
+         "prefill-0: host '0.0.0.0' listens on every interface"),
         ({"mode": "sideways"}, "mode"),
         ({"nixl_backend": "GDS"}, "nixl_backend"),
     ],
