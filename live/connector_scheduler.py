@@ -208,7 +208,11 @@ class SchedulerHalf:
         except (ValueError, TypeError) as exc:
             logger.warning("kvplane %s: unreadable fact from a worker: %s", self.me.instance, exc)
             return
-        self.on_fact(fact)
+        try:
+            self.on_fact(fact)
+        except Exception as exc:  # noqa: BLE001 - the wall, on the side channel's thread
+            self.fault(f"fact {fact.kind} not applied", exc, request=fact.xfer,
+                       attempt=fact.attempt)
 
     # ---- lease control from the router (side channel) -----------------------------------------
 
