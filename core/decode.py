@@ -16,6 +16,12 @@ Rules kept here:
   deadline fails (`KVLoadFailed`) and the request falls back to computing its prompt locally.
   Prefill never starts a WRITE it cannot finish before that deadline, so nothing lands after it.
 - A producer's failure report (`KVFailed`) that comes after the wait ended is stale: ignored.
+  So is one that comes while decode's own pull READ is in flight: that READ still writes into
+  the blocks, and its own end (`PullDone`) decides. `PullDone` for a push wait is refused.
+- What a peer sent that cannot be planned (blocks named twice, too few blocks, another model,
+  a hold expiry that is not a finite time) fails the wait at once (`KVLoadFailed`, "peer
+  error: ...") and the prompt is computed locally.
+- Ended attempts are remembered for `forget_after` seconds, then forgotten (memory stays flat).
 - When generation ends, decode frees the request's blocks, or, with bidirectional reuse, keeps
   them under a lease (fixed TTL or renewable) whose handle the router stores.
 """
@@ -26,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from .errors import PeerError
+from .checks import duplicates, finite, ours, theirs
+from .errors import PeerError, ProtocolError
 from .events import (
     BlocksFreed,
     BlocksReserved,
@@ -43,7 +50,14 @@ from .lease import BeginRead, EndRead, Grant, Heartbeat, LeaseCommand, LeaseTabl
 from .lease import Tick as LeaseTick
 from .ledger import Ledger
 from .machine import Machine
-from .plan import KVLayout, ended_event, fan_out, plan_transfer, planned_event
+from .plan import (
+    KVLayout,
+    check_peer_layout,
+    ended_event,
+    fan_out,
+    plan_transfer,
+    planned_event,
+)
 
 LEASE_COMMANDS = (Grant, Heartbeat, BeginRead, EndRead, Release, LeaseTick)
 
@@ -154,13 +168,18 @@ Key = tuple[str, int]
 class DecodeCore(Machine[DecodeCommand]):
     name = "decode"
 
-    def __init__(self, instance: str, layout: KVLayout) -> None:
+    def __init__(
+        self, instance: str, layout: KVLayout, *, pin_grace: float = 5.0,
+        forget_after: float = 600.0,
+    ) -> None:
         super().__init__(instance)
         self.layout = layout
+        self.forget_after = forget_after
         self.ledger = Ledger()
-        self.leases = LeaseTable(instance)
+        self.leases = LeaseTable(instance, pin_grace=pin_grace, forget_after=forget_after)
         self.entries: dict[Key, Entry] = {}
-        self.ended: set[Key] = set()
+        self.ended: dict[Key, float] = {}  # ended attempts, with when they ended
+        self._pruned_at = 0.0
 
     def phase(self, request: str, attempt: int) -> str:
         if (request, attempt) in self.ended:
@@ -185,6 +204,7 @@ class DecodeCore(Machine[DecodeCommand]):
 
     # decide -------------------------------------------------------------------------------------
     def decide(self, cmd: DecodeCommand, now: float) -> list[Event]:
+        now = self.now_of(now)
         if isinstance(cmd, Tick):
             return self._tick(now)
         if isinstance(cmd, LEASE_COMMANDS):
@@ -209,6 +229,10 @@ class DecodeCore(Machine[DecodeCommand]):
         return out + self.leases.decide(LeaseTick(), now)
 
     def _expect(self, cmd: ExpectKV, now: float) -> list[Event]:
+        ours(self.name, "ExpectKV", duplicates(cmd.blocks))
+        ours(self.name, "ExpectKV", finite(cmd.timeout, "timeout", minimum=1e-9))
+        ours(self.name, "ExpectKV", finite(cmd.read_margin, "read_margin"))
+        ours(self.name, "ExpectKV", finite(cmd.num_tokens, "num_tokens"))
         reserved = BlocksReserved(
             at=now,
             instance=self.instance,
@@ -217,8 +241,19 @@ class DecodeCore(Machine[DecodeCommand]):
             blocks=cmd.blocks,
             purpose="remote_kv",
         )
-        if cmd.mode == "push":
+        try:
+            check_peer_layout(self.layout, cmd.src_layout)
             streams = fan_out(cmd.src_layout, self.layout)
+            if cmd.mode == "pull":
+                if cmd.src_expires_at is not None:
+                    theirs(finite(cmd.src_expires_at, "prefill's hold expiry", minimum=None))
+                plan = plan_transfer(
+                    cmd.src_layout, self.layout, cmd.src_blocks, cmd.blocks, cmd.num_tokens
+                )
+        except PeerError as exc:
+            return [reserved, KVLoadFailed(at=now, instance=self.instance, request=cmd.request,
+                                           attempt=cmd.attempt, reason=f"peer error: {exc}")]
+        if cmd.mode == "push":
             return [
                 reserved,
                 RegistrationSent(
@@ -245,9 +280,6 @@ class DecodeCore(Machine[DecodeCommand]):
                     reason="prefill's hold expires before the read would end",
                 ),
             ]
-        plan = plan_transfer(
-            cmd.src_layout, self.layout, cmd.src_blocks, cmd.blocks, cmd.num_tokens
-        )
         return [
             reserved,
             planned_event(
@@ -307,6 +339,8 @@ class DecodeCore(Machine[DecodeCommand]):
     def _pull_done(self, cmd: PullDone, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
         e = self.entries[key]
+        if e.mode != "pull":
+            raise ProtocolError(self.name, e.phase, "PullDone", "this wait is for a push")
         reason = cmd.reason or "read failed"
         out: list[Event] = [ended_event(
             cmd.ok, at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt,
@@ -323,6 +357,8 @@ class DecodeCore(Machine[DecodeCommand]):
 
     def _kv_failed(self, cmd: KVFailed, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
+        if self.entries[key].mode == "pull":
+            return []  # our own READ is in flight into these blocks: its end decides
         out: list[Event] = [
             KVLoadFailed(
                 at=now,
@@ -340,6 +376,7 @@ class DecodeCore(Machine[DecodeCommand]):
         return []  # the wait already ended (KV received, timed out) or never began
 
     def _allocate(self, cmd: Allocate, now: float) -> list[Event]:
+        ours(self.name, "Allocate", duplicates(cmd.blocks))
         return [
             BlocksReserved(
                 at=now,
@@ -386,6 +423,9 @@ class DecodeCore(Machine[DecodeCommand]):
 
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> DecodeCore:
+        self.saw(ev)
+        if ev.at - self._pruned_at >= self.forget_after:
+            self._prune(ev.at)
         key = (ev.request or "", getattr(ev, "attempt", 0))
         if isinstance(ev, LeaseGranted):
             self._end(key)  # the blocks now belong to the lease
@@ -433,7 +473,14 @@ class DecodeCore(Machine[DecodeCommand]):
 
     def _end(self, key: Key) -> None:
         if self.entries.pop(key, None) is not None:
-            self.ended.add(key)
+            self.ended[key] = self.clock
+
+    def _prune(self, now: float) -> None:
+        """Forget attempts that ended over `forget_after` ago (runs while applying events)."""
+        self._pruned_at = now
+        cutoff = now - self.forget_after
+        self.ended = {k: t for k, t in self.ended.items() if t > cutoff}
+        self.leases.prune(now)
 
 
 _A, _W, _D, _X, _E = "absent", "awaiting_kv", "decoding", "aborting", "ended"

@@ -24,7 +24,9 @@ from typing import Any, Literal, Union
 
 from .errors import SchemaError
 
-SCHEMA_VERSION = 2  # 2: RegistrationArrived.deadline, SessionStored.block_size
+SCHEMA_VERSION = 3
+# 2: RegistrationArrived.deadline, SessionStored.block_size
+# 3: RegistrationDropped.final, LeaseUnpinned.timed_out, ReuseDecided outcome "invalid"
 
 Blocks = tuple[int, ...]
 Direction = Literal["P->D", "D->P"]
@@ -130,6 +132,9 @@ class RegistrationArrived(Event):
 class RegistrationDropped(Event):
     attempt: int
     reason: str
+    # True: this registration will never be served, so decode must stop waiting (and is told).
+    # False: a duplicate of a registration that still stands; decode's wait goes on.
+    final: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,6 +274,7 @@ class LeasePinned(Event):
 class LeaseUnpinned(Event):
     lease: str
     reader: str
+    timed_out: bool = False  # the reader never ended its read: the pin ran past its bound
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,7 +309,7 @@ class LeaseReleased(Event):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReuseDecided(Event):
     lease: str | None
-    outcome: Literal["read", "recompute", "miss", "mismatch", "expired", "refused"]
+    outcome: Literal["read", "recompute", "miss", "mismatch", "expired", "refused", "invalid"]
     prompt_tokens: int
     local_hit_tokens: int
     matched_tokens: int

@@ -13,6 +13,14 @@ Rules kept here:
   by this rule finishes before the blocks can be freed even if no pin message reaches the owner.
 - Expiring or releasing frees exactly the lease's blocks, once (`BlocksFreed`, carrying the
   attempt the blocks were granted under, so the owner's per-attempt books stay right).
+- A pin is bounded: it lasts until the time the reader asked for (`until`) plus `pin_grace`.
+  A reader that never ends its read loses the pin then (`LeaseUnpinned(timed_out=True)`), and
+  expiry or a deferred release goes ahead, so one stuck reader cannot hold blocks forever. The
+  reader's side keeps the other half of the bargain: it cancels a read that outlives its pin.
+- TTLs, extensions and read durations are finite, non-negative numbers (a NaN TTL would never
+  expire); a lease names each block once.
+- Ended lease ids are remembered for `forget_after` seconds (late heartbeats and reads are then
+  refused as "expired"/"released"), then forgotten ("unknown"), so memory stays flat.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .checks import duplicates, finite, ours
 from .errors import ProtocolError
 from .events import (
     BlocksFreed,
@@ -113,14 +122,26 @@ class Lease:
 @dataclass(slots=True)
 class LeaseTable:
     instance: str
+    pin_grace: float = 5.0
+    forget_after: float = 600.0
     leases: dict[str, Lease] = field(default_factory=dict)
     ended: dict[str, str] = field(default_factory=dict)  # lease -> "expired" | "released"
+    ended_at: dict[str, float] = field(default_factory=dict)
+    clock: float = float("-inf")
+
+    def __post_init__(self) -> None:
+        ours("lease", "pin_grace", finite(self.pin_grace, "pin_grace"))
+        ours("lease", "forget_after", finite(self.forget_after, "forget_after", minimum=1e-3))
 
     # decide ----------------------------------------------------------------------------------
     def decide(self, cmd: LeaseCommand, now: float) -> list[Event]:
+        now = max(now, self.clock)
         if isinstance(cmd, Grant):
             if cmd.lease in self.leases or cmd.lease in self.ended:
                 raise ProtocolError("lease", "granted", "Grant", f"lease {cmd.lease} exists")
+            ours("lease", "Grant", finite(cmd.ttl, "ttl", minimum=1e-9))
+            ours("lease", "Grant", finite(cmd.num_tokens, "num_tokens"))
+            ours("lease", "Grant", duplicates(cmd.blocks))
             return [
                 LeaseGranted(
                     at=now,
@@ -141,9 +162,14 @@ class LeaseTable:
             out: list[Event] = []
             for lid in ids:
                 ls = self.leases.get(lid)
-                if ls is not None and not ls.pins and ls.expires_at <= now:
-                    out += self._end(ls, now, None)
+                if ls is not None:
+                    out += self._tick(ls, now)
             return out
+        if isinstance(cmd, Heartbeat):
+            ours("lease", "Heartbeat", finite(cmd.extension, "extension"))
+        if isinstance(cmd, BeginRead):
+            ours("lease", "BeginRead", finite(cmd.duration, "duration"))
+            ours("lease", "BeginRead", finite(cmd.margin, "margin"))
         ls = self.leases.get(cmd.lease)
         if ls is None:
             gone = self.ended.get(cmd.lease, "unknown")
@@ -163,8 +189,10 @@ class LeaseTable:
                         reason=gone,
                     )
                 ]
-            if isinstance(cmd, Release):
-                return []  # releasing what is already gone is a no-op: idempotent by design
+            if isinstance(cmd, (Release, EndRead)):
+                # releasing what is gone is a no-op, idempotent by design; so is the end of a
+                # read whose pin timed out and whose lease then ended
+                return []
             raise ProtocolError("lease", gone, type(cmd).__name__, f"lease {cmd.lease}")
         req = ls.request
         if isinstance(cmd, Heartbeat):
@@ -230,7 +258,7 @@ class LeaseTable:
             ]
         if isinstance(cmd, EndRead):
             if cmd.reader not in ls.pins:
-                raise ProtocolError("lease", ls.phase, "EndRead", f"{cmd.reader} holds no pin")
+                return []  # a late end: the pin timed out already (or the message is a copy)
             out = [
                 LeaseUnpinned(
                     at=now, instance=self.instance, request=req, lease=ls.lease, reader=cmd.reader
@@ -257,6 +285,22 @@ class LeaseTable:
                 ]
             return self._end(ls, now, cmd.reason)
         raise ProtocolError("lease", ls.phase, type(cmd).__name__)
+
+    def _tick(self, ls: Lease, now: float) -> list[Event]:
+        """Pins past their bound are dropped; then expiry (or a deferred release) is due."""
+        gone = sorted(r for r, until in ls.pins.items() if until + self.pin_grace <= now)
+        out: list[Event] = [
+            LeaseUnpinned(at=now, instance=self.instance, request=ls.request, lease=ls.lease,
+                          reader=r, timed_out=True)
+            for r in gone
+        ]
+        if len(gone) < len(ls.pins):
+            return out
+        if gone and ls.release_pending is not None:
+            return out + self._end(ls, now, ls.release_pending)
+        if ls.expires_at <= now:
+            return out + self._end(ls, now, None)
+        return out
 
     def _end(self, ls: Lease, now: float, release_reason: str | None) -> list[Event]:
         end: Event
@@ -287,6 +331,7 @@ class LeaseTable:
     # apply ------------------------------------------------------------------------------------
     def apply(self, e: Event) -> bool:
         """Fold a lease event; returns False when the event is not a lease event."""
+        self.clock = max(self.clock, e.at)
         if isinstance(e, LeaseGranted):
             assert e.request is not None
             self.leases[e.lease] = Lease(
@@ -311,14 +356,24 @@ class LeaseTable:
         elif isinstance(e, LeaseExpired):
             self.leases.pop(e.lease, None)
             self.ended[e.lease] = "expired"
+            self.ended_at[e.lease] = e.at
         elif isinstance(e, LeaseReleased):
             self.leases.pop(e.lease, None)
             self.ended[e.lease] = "released"
+            self.ended_at[e.lease] = e.at
         elif isinstance(e, (ReadRefused, LeaseRenewalRefused)):
             pass
         else:
             return False
         return True
+
+    def prune(self, now: float) -> None:
+        """Forget leases that ended over `forget_after` before `now` (called while applying)."""
+        cutoff = now - self.forget_after
+        old = [lid for lid, t in self.ended_at.items() if t <= cutoff]
+        for lid in old:
+            del self.ended_at[lid]
+            self.ended.pop(lid, None)
 
     def next_expiry(self) -> float | None:
         return min((ls.expires_at for ls in self.leases.values()), default=None)

@@ -7,13 +7,17 @@ Rules kept here:
   live machine had. `handle` is the two together.
 - `apply` changes the state in place and returns it: a persistent copy per event would make a
   100,000-request simulation quadratic. Take a `snapshot` where an old state must be kept.
-- Time is an argument (`now`); a machine never reads a clock.
+- Time is an argument (`now`); a machine never reads a clock. Time never goes backwards inside
+  a machine: `now` earlier than the latest event it applied counts as that event's time (a
+  wall clock stepped back by NTP must not re-open a deadline that passed), and a `now` that is
+  not a finite number is refused.
 - Each machine keeps its transition table at module level: (phase, command type) -> handler. A
   pair missing from the table raises `ProtocolError` naming the state and the input.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -28,6 +32,16 @@ class Machine(Generic[Cmd]):
 
     def __init__(self, instance: str) -> None:
         self.instance = instance
+        self.clock = float("-inf")  # the latest event time applied
+
+    def now_of(self, now: float) -> float:
+        """The time a command is decided at: never earlier than what the machine has seen."""
+        if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise ProtocolError(self.name, "", "now", f"time must be a finite number, got {now!r}")
+        return max(now, self.clock)
+
+    def saw(self, event: Event) -> None:
+        self.clock = max(self.clock, event.at)
 
     def decide(self, command: Cmd, now: float) -> list[Event]:
         raise NotImplementedError

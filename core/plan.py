@@ -16,13 +16,18 @@ Rules kept here:
 - Descriptors: one per run, per layer, for K and V, per stream; when the two sides' TP sizes
   differ a stream moves a slice of the producer's heads, and each head of the slice becomes its
   own descriptor (head-major layout), as heterogeneous-TP transfers do in practice.
-- A side that offers fewer blocks than the tokens need is the peer misbehaving (`PeerError`).
+- A side that offers fewer blocks than the tokens need, names a block twice or asks for a
+  negative number of tokens is the peer misbehaving (`PeerError`); so is a peer's layout whose
+  heads and ranks do not divide (`peer_layout`), which our own configuration would refuse with
+  `ValueError` when built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
+from .checks import duplicates, theirs
 from .errors import PeerError
 from .events import Direction, TransferCompleted, TransferFailed, TransferPlanned
 
@@ -60,6 +65,23 @@ class KVLayout:
         return -(-num_tokens // self.block_size)
 
 
+def peer_layout(base: KVLayout, **changes: Any) -> KVLayout:
+    """`base` with a peer's block size, TP and so on: a peer's impossible layout is a
+    `PeerError`, never a bare `ValueError` from deep inside a decision."""
+    try:
+        return replace(base, **changes)
+    except (ValueError, TypeError) as exc:
+        raise PeerError(f"peer's KV layout is unusable: {exc}") from None
+
+
+def check_peer_layout(ours: KVLayout, theirs_: KVLayout) -> None:
+    """A peer's layout must describe the same model: same layers, KV heads and head size."""
+    for name in ("num_layers", "num_kv_heads", "head_bytes"):
+        mine, peer = getattr(ours, name), getattr(theirs_, name)
+        if mine != peer:
+            raise PeerError(f"peer's {name} is {peer}, ours is {mine}: another model")
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     src_slot: int
@@ -95,6 +117,10 @@ def merge_runs(
     src_blocks: tuple[int, ...], src_bs: int, dst_blocks: tuple[int, ...], dst_bs: int, n: int
 ) -> tuple[Run, ...]:
     """Token runs contiguous on both sides, for the first `n` tokens."""
+    if n < 0:
+        raise PeerError(f"{n} tokens to move: a token count is never negative")
+    theirs(duplicates(src_blocks))
+    theirs(duplicates(dst_blocks))
     if len(src_blocks) * src_bs < n:
         raise PeerError(f"source offers {len(src_blocks)} blocks of {src_bs}, {n} tokens needed")
     if len(dst_blocks) * dst_bs < n:

@@ -11,9 +11,19 @@ either order; the second one matches them and plans the WRITE. Rules kept:
   deadline; when `now + write_margin >= deadline` it is dropped (`RegistrationDropped`), never
   matched, because decode frees its blocks once the wait times out. `write_margin` is the
   longest a WRITE may take, so a WRITE this rule admits lands before decode gives up.
-- A registration that cannot be planned (too few blocks, another model) is dropped and recorded,
-  not raised: the finished request stays held for another registration, the hold time-out or an
-  abort, so a misbehaving peer never strands prefill's blocks.
+- A registration that cannot be planned (too few blocks, a block named twice, another model, a
+  layout whose heads and ranks do not divide, a deadline that is not a finite time) is dropped
+  and recorded, not raised: the finished request stays held for another registration, the hold
+  time-out or an abort, so a misbehaving peer never strands prefill's blocks.
+- Each drop says whether decode must stop waiting (`final`). A second copy of a registration
+  that still stands (held, or its WRITE in flight) is a duplicate, `final=False`, whatever
+  happened to the request since: telling decode "no KV" then would free blocks the WRITE still
+  lands in. The duplicate check comes before every other reason.
+- An abort reaches an attempt that still holds blocks even when a newer attempt is known; once
+  an abort is pending (during a reuse read) no registration or allocation is accepted for it.
+- Ended attempts are remembered for `forget_after` seconds, then forgotten, so memory stays flat
+  in long runs. A message that old for a forgotten attempt finds it "absent": a registration is
+  then dropped by its deadline (long passed), anything else changes nothing.
 - Prefill holds a finished request's blocks until the WRITE completes or fails, until the request
   is aborted, or until `hold_timeout` passes with no registration. Blocks under an in-flight
   WRITE are never freed: an abort during a transfer frees them when the transfer ends.
@@ -37,9 +47,10 @@ Phases of a push entry: `waiting` (registration and/or computing, not finished),
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
+from .checks import duplicates, finite, ours, theirs
 from .errors import PeerError, ProtocolError
 from .events import (
     BlocksFreed,
@@ -62,7 +73,15 @@ from .lease import BeginRead, EndRead, Grant, Heartbeat, LeaseCommand, LeaseTabl
 from .lease import Tick as LeaseTick
 from .ledger import Ledger
 from .machine import Machine
-from .plan import KVLayout, ended_event, plan_transfer, planned_event
+from .plan import (
+    KVLayout,
+    check_peer_layout,
+    ended_event,
+    fan_out,
+    peer_layout,
+    plan_transfer,
+    planned_event,
+)
 from .reuse import RetainedHandle, decide_reuse
 
 # --- commands -----------------------------------------------------------------------------------
@@ -210,6 +229,7 @@ class Entry:
 
 
 READ_BY_DECODE = "read by decode"  # why a pull hold ends when decode's read-done arrives
+DUPLICATE = "duplicate registration"  # a copy of a registration that still stands
 
 
 def hold_lease_id(request: str, attempt: int) -> str:
@@ -227,18 +247,27 @@ class PrefillCore(Machine[PrefillCommand]):
         instance: str,
         layout: KVLayout,
         hold_timeout: float = 30.0,
-        write_margin: float = 0.0,
+        write_margin: float = 1.0,
+        forget_after: float = 600.0,
+        pin_grace: float = 5.0,
     ) -> None:
         super().__init__(instance)
+        # write_margin: the longest a WRITE may take. Zero would match a registration an instant
+        # before decode gives up, and the WRITE would land in blocks decode has freed.
+        ours("prefill", "write_margin", finite(write_margin, "write_margin", minimum=1e-3))
+        ours("prefill", "hold_timeout", finite(hold_timeout, "hold_timeout", minimum=1e-3))
+        ours("prefill", "forget_after", finite(forget_after, "forget_after", minimum=1e-3))
         self.layout = layout
         self.hold_timeout = hold_timeout
         self.write_margin = write_margin
+        self.forget_after = forget_after
         self.ledger = Ledger()
-        self.leases = LeaseTable(instance)
+        self.leases = LeaseTable(instance, pin_grace=pin_grace, forget_after=forget_after)
         self.entries: dict[Key, Entry] = {}
         self.latest: dict[str, int] = {}  # newest attempt seen per request
         self.reissued: dict[str, int] = {}  # attempt of the last re-issue per request
-        self.ended: set[Key] = set()
+        self.ended: dict[Key, float] = {}  # ended attempts, with when they ended
+        self._pruned_at = 0.0
 
     # helpers ------------------------------------------------------------------------------------
     def phase(self, request: str, attempt: int) -> str:
@@ -249,7 +278,7 @@ class PrefillCore(Machine[PrefillCommand]):
 
     def layout_of(self, reg: RegistrationArrived) -> KVLayout:
         """Decode's layout: same model, its own block size and TP (from the registration)."""
-        return replace(self.layout, block_size=reg.dst_block_size, tp=reg.dst_tp)
+        return peer_layout(self.layout, block_size=reg.dst_block_size, tp=reg.dst_tp)
 
     def _free(self, now: float, key: Key, reason: str) -> list[Event]:
         e = self.entries.get(key)
@@ -298,10 +327,27 @@ class PrefillCore(Machine[PrefillCommand]):
     def _late(self, now: float, reg: RegistrationArrived | Register) -> bool:
         return reg.deadline is not None and now + self.write_margin >= reg.deadline
 
-    def _dropped(self, now: float, request: str, attempt: int, reason: str) -> Event:
+    def _dropped(
+        self, now: float, request: str, attempt: int, reason: str, final: bool = True
+    ) -> Event:
         return RegistrationDropped(
-            at=now, instance=self.instance, request=request, attempt=attempt, reason=reason
+            at=now, instance=self.instance, request=request, attempt=attempt, reason=reason,
+            final=final,
         )
+
+    def _peer_problem(self, cmd: Register) -> str | None:
+        """Why a registration can never be planned, or None."""
+        try:
+            if cmd.deadline is not None:
+                theirs(finite(cmd.deadline, "the registration's deadline", minimum=None))
+            theirs(duplicates(cmd.dst_blocks))
+            check_peer_layout(self.layout, cmd.dst_layout)
+            dst = peer_layout(self.layout, block_size=cmd.dst_layout.block_size,
+                              tp=cmd.dst_layout.tp)
+            fan_out(self.layout, dst)
+        except PeerError as exc:
+            return f"peer error: {exc}"
+        return None
 
     def _match(
         self, now: float, reg: RegistrationArrived, fin: PrefillFinished, order: str
@@ -316,6 +362,7 @@ class PrefillCore(Machine[PrefillCommand]):
 
     # decide -------------------------------------------------------------------------------------
     def decide(self, cmd: PrefillCommand, now: float) -> list[Event]:
+        now = self.now_of(now)
         if isinstance(cmd, Tick):
             return self._tick(now)
         if isinstance(cmd, LEASE_COMMANDS):
@@ -342,6 +389,10 @@ class PrefillCore(Machine[PrefillCommand]):
     def _allocate(self, cmd: Allocate, now: float) -> list[Event]:
         if self._stale(cmd.request, cmd.attempt):
             raise ProtocolError(self.name, "stale", "Allocate", cmd.request)
+        e = self.entries.get((cmd.request, cmd.attempt))
+        if e is not None and e.abort_pending:
+            raise ProtocolError(self.name, "aborting", "Allocate", "the request was aborted")
+        ours(self.name, "Allocate", duplicates(cmd.blocks))
         return [
             BlocksReserved(
                 at=now,
@@ -354,19 +405,19 @@ class PrefillCore(Machine[PrefillCommand]):
         ]
 
     def _register(self, cmd: Register, now: float) -> list[Event]:
-        stale = self._stale(cmd.request, cmd.attempt)
         e = self.entries.get((cmd.request, cmd.attempt))
-        if stale is None and e is not None and e.registration is not None:
-            stale = "duplicate registration"
-        if stale is None and self._late(now, cmd):
-            stale = "decode's KV deadline passed"
-        if stale is not None:
-            return [self._dropped(now, cmd.request, cmd.attempt, stale)]
-        if cmd.dst_layout.num_layers != self.layout.num_layers:
-            raise PeerError(
-                f"{cmd.decode} registered a cache of {cmd.dst_layout.num_layers} "
-                f"layers, ours has {self.layout.num_layers}"
-            )
+        if e is not None and e.registration is not None:
+            # first: a copy of a registration that stands must never tell decode "no KV"
+            return [self._dropped(now, cmd.request, cmd.attempt, DUPLICATE, final=False)]
+        reason = self._stale(cmd.request, cmd.attempt)
+        if reason is None and e is not None and e.abort_pending:
+            reason = "request aborted"
+        if reason is None:
+            reason = self._peer_problem(cmd)
+        if reason is None and self._late(now, cmd):
+            reason = "decode's KV deadline passed"
+        if reason is not None:
+            return [self._dropped(now, cmd.request, cmd.attempt, reason)]
         arrived = RegistrationArrived(
             at=now,
             instance=self.instance,
@@ -388,6 +439,11 @@ class PrefillCore(Machine[PrefillCommand]):
         e = self.entries.get(key)
         if e is not None and e.reading:
             raise ProtocolError(self.name, "reading", "FinishPrefill", "a reuse read is in flight")
+        if e is not None and e.abort_pending:
+            raise ProtocolError(self.name, "aborting", "FinishPrefill", "the request was aborted")
+        ours(self.name, "FinishPrefill", finite(cmd.num_tokens, "num_tokens"))
+        if cmd.mode == "pull":
+            ours(self.name, "FinishPrefill", finite(cmd.hold_ttl, "hold_ttl", minimum=1e-3))
         src = e.blocks if e else ()
         fin = PrefillFinished(
             at=now,
@@ -423,9 +479,9 @@ class PrefillCore(Machine[PrefillCommand]):
     def _abort(self, cmd: Abort, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
         phase = self.phase(*key)
-        if phase == "ended" or self._stale(*key):
-            return []  # an abort after the end changes nothing
         e = self.entries.get(key)
+        if phase == "ended" or (e is None and self._stale(*key)):
+            return []  # an abort after the end changes nothing
         if e is not None and e.abort_pending:
             return []
         aborted = RequestAborted(
@@ -490,6 +546,8 @@ class PrefillCore(Machine[PrefillCommand]):
         e = self.entries.get((cmd.request, cmd.attempt))
         if e is not None and e.reading:
             raise ProtocolError(self.name, "reading", "StartReuseRead", "a read is in flight")
+        if e is not None and e.abort_pending:
+            raise ProtocolError(self.name, "aborting", "StartReuseRead", "the request was aborted")
         own = e.blocks if e else ()
         dst = own if cmd.dst_blocks is None else cmd.dst_blocks
         if not set(dst) <= set(own):
@@ -528,6 +586,9 @@ class PrefillCore(Machine[PrefillCommand]):
 
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> PrefillCore:
+        self.saw(ev)
+        if ev.at - self._pruned_at >= self.forget_after:
+            self._prune(ev.at)
         if isinstance(ev, LeaseGranted) and ev.purpose == "pull_hold":
             # custody of the finished prefill's blocks passes to the hold lease
             self._end((ev.request or "", ev.attempt))
@@ -603,7 +664,18 @@ class PrefillCore(Machine[PrefillCommand]):
 
     def _end(self, key: Key) -> None:
         self.entries.pop(key, None)
-        self.ended.add(key)
+        self.ended[key] = self.clock
+
+    def _prune(self, now: float) -> None:
+        """Forget attempts that ended over `forget_after` ago, and requests with nothing left.
+        Runs as events are applied (never in `decide`), so a replayed log prunes alike."""
+        self._pruned_at = now
+        cutoff = now - self.forget_after
+        self.ended = {k: t for k, t in self.ended.items() if t > cutoff}
+        live = {k[0] for k in self.entries} | {k[0] for k in self.ended}
+        self.latest = {r: a for r, a in self.latest.items() if r in live}
+        self.reissued = {r: a for r, a in self.reissued.items() if r in live}
+        self.leases.prune(now)
 
 
 _W, _H, _T, _A, _E = "waiting", "held", "transferring", "absent", "ended"

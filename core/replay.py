@@ -14,8 +14,18 @@ Invariants (each violation names the rule, the event and why):
   decode's retained lease, or a pull READ from prefill's hold lease).
 - `transfer-outcome`: a transfer that ends twice, or ends without having been planned.
 - `early-receive`: KV declared received before every expected notification arrived.
+- `free-under-transfer`: blocks freed while a transfer may still move data in or out of them:
+  on the instance that planned the transfer, its own side's blocks until it ends; for a push,
+  decode's destination blocks until decode received the KV or prefill's WRITE ended.
+  (A free followed by another request's reservation of the same blocks is how a WRITE lands in
+  someone else's KV.)
+- `duplicate-blocks`: a transfer, registration or lease naming one block twice.
+- `pin-overrun`: a lease pin that timed out while a read from that lease was still in flight
+  (the reader overran its pin and did not cancel).
+- `session-reuse`: a retained-KV handle taken twice, or stored again after it was taken.
 - at the end of a run that is known to be quiescent (`final=True`): `leak` (blocks still owned
-  outside any live lease) and `unfinished-transfer` (planned, never ended).
+  outside any live lease), `unfinished-transfer` (planned, never ended) and `pin-never-ended`
+  (a lease still pinned by a reader).
 """
 
 from __future__ import annotations
@@ -32,9 +42,13 @@ from .events import (
     LeaseGranted,
     LeasePinned,
     LeaseReleased,
+    LeaseUnpinned,
     NotificationReceived,
+    RegistrationArrived,
     RegistrationSent,
     ReuseDecided,
+    SessionStored,
+    SessionTaken,
     TransferCompleted,
     TransferFailed,
     TransferPlanned,
@@ -72,7 +86,34 @@ class ReplayState:
     expected: dict[tuple[str, str, int], int] = field(default_factory=dict)
     notified: dict[tuple[str, str, int], set[tuple[int, int]]] = field(default_factory=dict)
     sessions: SessionTable = field(default_factory=SessionTable)
+    # (instance, block) -> the transfers that may still move data in or out of it there
+    guarded: dict[tuple[str, int], set[tuple[str, int, str]]] = field(default_factory=dict)
+    guards: dict[tuple[str, int, str], list[tuple[str, tuple[int, ...]]]] = field(
+        default_factory=dict)
+    pins: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # lease -> readers
+    taken: set[tuple[str, str]] = field(default_factory=set)  # (router, lease) handles used
     events: int = 0
+
+    def guard(self, key3: tuple[str, int, str], instance: str, blocks: tuple[int, ...]) -> None:
+        self.guards.setdefault(key3, []).append((instance, blocks))
+        for b in blocks:
+            self.guarded.setdefault((instance, b), set()).add(key3)
+
+    def unguard(self, key3: tuple[str, int, str], instance: str | None = None) -> None:
+        """Lift the guards of a transfer (only those on `instance`, when given)."""
+        kept = []
+        for inst, blocks in self.guards.pop(key3, []):
+            if instance is not None and inst != instance:
+                kept.append((inst, blocks))
+                continue
+            for b in blocks:
+                s = self.guarded.get((inst, b))
+                if s is not None:
+                    s.discard(key3)
+                    if not s:
+                        del self.guarded[(inst, b)]
+        if kept:
+            self.guards[key3] = kept
 
     def ledger(self, instance: str) -> Ledger:
         led = self.ledgers.get(instance)
@@ -107,8 +148,16 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
     elif isinstance(ev, BlocksFreed):
         for m in state.ledger(ev.instance).check_free(ev):
             bad("double-free", m)
+        if state.guarded:
+            under = sorted({k for b in ev.blocks for k in state.guarded.get((ev.instance, b), ())})
+            if under:
+                bad("free-under-transfer",
+                    f"blocks freed on {ev.instance} while transfers {under[:4]} may still "
+                    "move data in or out of them")
         state.ledger(ev.instance).apply(ev)
     elif isinstance(ev, LeaseGranted):
+        if len(set(ev.blocks)) != len(ev.blocks):
+            bad("duplicate-blocks", f"lease {ev.lease} names a block twice")
         if not state.ledger(ev.instance).owns(req, ev.blocks, ev.attempt):
             bad("foreign-blocks", f"lease {ev.lease} granted over blocks {req} does not own")
         state.leases[(ev.instance, ev.lease)] = ev
@@ -137,6 +186,29 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
     elif isinstance(ev, LeasePinned):
         if (ev.instance, ev.lease) not in state.leases:
             bad("dead-lease-read", f"lease {ev.lease} pinned after it ended")
+        state.pins.setdefault((ev.instance, ev.lease), set()).add(ev.reader)
+    elif isinstance(ev, LeaseUnpinned):
+        lkey = (ev.instance, ev.lease)
+        state.pins.get(lkey, set()).discard(ev.reader)
+        if ev.timed_out and state.reading_from.get(lkey):
+            bad("pin-overrun", f"{ev.reader}'s pin on lease {ev.lease} timed out while reads "
+                f"{sorted(state.reading_from[lkey])} were still in flight")
+    elif isinstance(ev, SessionTaken):
+        tkey = (ev.instance, ev.lease)
+        if tkey in state.taken:
+            bad("session-reuse", f"handle of lease {ev.lease} taken a second time")
+        state.taken.add(tkey)
+        state.sessions.apply(ev)
+    elif isinstance(ev, SessionStored):
+        if (ev.instance, ev.lease) in state.taken:
+            bad("session-reuse", f"handle of lease {ev.lease} stored again after it was taken")
+        state.sessions.apply(ev)
+    elif isinstance(ev, (RegistrationSent, RegistrationArrived)) and len(
+            set(ev.dst_blocks)) != len(ev.dst_blocks):
+        bad("duplicate-blocks", f"registration of {req}#{ev.attempt} names a block twice")
+        if isinstance(ev, RegistrationSent):
+            state.expected[(ev.instance, req, ev.attempt)] = ev.expected_notifications
+            state.notified[(ev.instance, req, ev.attempt)] = set()
     elif isinstance(ev, ReuseDecided):
         if ev.outcome == "read" and ev.lease is not None:
             state.reuse_lease[req] = ev.lease
@@ -145,6 +217,17 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
         if key3 in state.planned:
             bad("transfer-outcome", f"transfer {key3} planned twice")
         state.planned[key3] = 0
+        for side, blocks in (("source", ev.src_blocks), ("destination", ev.dst_blocks)):
+            if len(set(blocks)) != len(blocks):
+                bad("duplicate-blocks", f"{ev.direction} {side} blocks name a block twice")
+        # what the transfer may still touch: the planner's own side until it ends there; for a
+        # push (planned by the source) also the destination's blocks until decode has the KV
+        if ev.instance == ev.src:
+            state.guard(key3, ev.src, ev.src_blocks)
+            if ev.direction == "P->D":
+                state.guard(key3, ev.dst, ev.dst_blocks)
+        elif ev.instance == ev.dst:
+            state.guard(key3, ev.dst, ev.dst_blocks)
         if not state.ledger(ev.dst).owns(req, ev.dst_blocks, ev.attempt):
             bad(
                 "foreign-blocks",
@@ -187,6 +270,7 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
         elif seen >= 1:
             bad("transfer-outcome", f"transfer {key3} ended twice")
         state.planned[key3] = (seen or 0) + 1
+        state.unguard(key3)
         if key3 in state.read_lease:
             lkey = state.read_lease.pop(key3)
             state.reading_from.get(lkey, set()).discard((req, ev.attempt))
@@ -199,6 +283,8 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
                 (ev.src_rank, ev.dst_rank)
             )
     elif isinstance(ev, KVReceived):
+        if state.guards:
+            state.unguard((req, ev.attempt, "P->D"), ev.instance)  # the data has landed
         k = (ev.instance, req, ev.attempt)
         if k in state.expected:
             got = len(state.notified.get(k, ()))
@@ -229,6 +315,10 @@ def finish(state: ReplayState, last: Event | None) -> list[Violation]:
                     f"{len(stray)} blocks on {inst} still owned by {reqs[:8]}",
                 )
             )
+    pinned = sorted((lease, r) for (_, lease), rs in state.pins.items() for r in rs)
+    if pinned:
+        out.append(Violation("pin-never-ended", state.events - 1, last,
+                             f"{len(pinned)} pins never ended: {pinned[:5]}"))
     open_ = [k for k, n in state.planned.items() if n == 0]
     if open_:
         out.append(

@@ -9,10 +9,13 @@ Rules kept here:
 - The read happens only when the remote part is at least `kv_recompute_threshold` tokens (below
   it, connection and coordination cost more than recomputing) and the lease will still be alive
   when the read ends (`now + estimated_read + margin < expires_at`).
+- A handle that cannot be right (block size not positive, a negative token count, an expiry
+  that is not a finite time) is never read from: outcome `invalid`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .events import ReuseDecided
@@ -29,6 +32,17 @@ class RetainedHandle:
     block_size: int
     block_hashes: tuple[str, ...]
     expires_at: float
+
+
+def handle_problem(h: RetainedHandle) -> str | None:
+    """Why a handle (from a peer, via the router) cannot be right, or None when it can."""
+    if isinstance(h.block_size, bool) or not isinstance(h.block_size, int) or h.block_size <= 0:
+        return f"handle's block size {h.block_size!r} is not a positive integer"
+    if isinstance(h.num_tokens, bool) or not isinstance(h.num_tokens, int) or h.num_tokens < 0:
+        return f"handle's token count {h.num_tokens!r} is not a count"
+    if not isinstance(h.expires_at, (int, float)) or not math.isfinite(h.expires_at):
+        return f"handle's expiry {h.expires_at!r} is not a finite time"
+    return None
 
 
 def decide_reuse(
@@ -60,6 +74,8 @@ def decide_reuse(
 
     if handle is None:
         return decided("miss")
+    if handle_problem(handle) is not None:
+        return decided("invalid")
     blocks = matching_prefix(handle.block_hashes, prompt_hashes)
     # never reuse the prompt's last token: the engine must compute at least one token itself
     matched = min(blocks * handle.block_size, handle.num_tokens, max(prompt_tokens - 1, 0))

@@ -10,12 +10,20 @@ Rules kept here:
 - A handle keeps the block size its hashes were taken with (recorded in `SessionStored`), so a
   rebuilt table compares prefixes at the right granularity.
 - The table is a fold of `Session*` events, so a restarted router rebuilds it from the store.
+- Once taken or dropped, a handle's lease never comes back: a copy of its `Store` delivered
+  again is ignored, so a network duplicate cannot make one retained KV readable twice. Those
+  lease ids are kept until the handle's own expiry, then forgotten (memory stays flat).
+- `Renew` names the lease it renews: a heartbeat answer for a lease that was replaced meanwhile
+  never extends the new handle.
+- A handle that cannot be right (block size not positive, negative tokens, an expiry that is not
+  a finite time) is the peer misbehaving: `PeerError`, never stored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .checks import finite, ours, theirs
 from .events import (
     Event,
     SessionDropped,
@@ -25,9 +33,10 @@ from .events import (
     SessionTaken,
 )
 from .machine import Machine
-from .reuse import RetainedHandle
+from .reuse import RetainedHandle, handle_problem
 
 SessionKey = tuple[str, str]
+PRUNE_EVERY = 60.0  # seconds of event time between sweeps of expired consumed leases
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +59,7 @@ class Renew:
     tenant: str
     conversation: str
     expires_at: float
+    lease: str  # the lease the renewal is for; a replaced handle is never extended
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +82,15 @@ class SessionTable(Machine[SessionCommand]):
     instance: str = "router"
     block_size: int = 16
     handles: dict[SessionKey, RetainedHandle] = field(default_factory=dict)
+    consumed: dict[str, float] = field(default_factory=dict)  # lease taken/dropped -> expiry
+    _pruned_at: float = 0.0
     name = "sessions"
 
     def __post_init__(self) -> None:
         Machine.__init__(self, self.instance)
 
     def decide(self, cmd: SessionCommand, now: float) -> list[Event]:
+        now = self.now_of(now)
         i = self.instance
         if isinstance(cmd, Expire):
             return [
@@ -96,6 +109,9 @@ class SessionTable(Machine[SessionCommand]):
         old = self.handles.get(key)
         if isinstance(cmd, Store):
             h = cmd.handle
+            theirs(handle_problem(h))
+            if h.lease in self.consumed:
+                return []  # a copy of a Store whose handle was already used or dropped
             out: list[Event] = []
             if old is not None and old.lease != h.lease:
                 out.append(
@@ -168,7 +184,8 @@ class SessionTable(Machine[SessionCommand]):
                 )
             ]
         if isinstance(cmd, Renew):
-            if old is None or cmd.expires_at <= old.expires_at:
+            ours(self.name, "Renew", finite(cmd.expires_at, "expires_at", minimum=None))
+            if old is None or old.lease != cmd.lease or cmd.expires_at <= old.expires_at:
                 return []
             return [
                 SessionRenewed(
@@ -194,6 +211,10 @@ class SessionTable(Machine[SessionCommand]):
         ]
 
     def apply(self, ev: Event) -> SessionTable:
+        self.saw(ev)
+        if self.consumed and ev.at - self._pruned_at >= PRUNE_EVERY:
+            self._pruned_at = ev.at
+            self.consumed = {k: t for k, t in self.consumed.items() if t > ev.at}
         if isinstance(ev, SessionStored):
             bs = ev.block_size if ev.block_size is not None else self.block_size
             self.handles[(ev.tenant, ev.conversation)] = RetainedHandle(
@@ -203,6 +224,7 @@ class SessionTable(Machine[SessionCommand]):
             h = self.handles.get((ev.tenant, ev.conversation))
             if h is not None and h.lease == ev.lease:
                 del self.handles[(ev.tenant, ev.conversation)]
+                self.consumed[ev.lease] = h.expires_at
         elif isinstance(ev, SessionRenewed):
             key = (ev.tenant, ev.conversation)
             h = self.handles.get(key)

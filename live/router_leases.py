@@ -174,7 +174,7 @@ class LeasesMixin:
             self.wires.pop(key, None)
         else:
             self.metrics.heartbeats.labels("renewed").inc()
-            events = self.table.handle(Renew(key[0], key[1], expires), self.clock())
+            events = self.table.handle(Renew(key[0], key[1], expires, h.lease), self.clock())
         self._record_all(events)
 
     def _session_gauges(self) -> None:

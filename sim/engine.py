@@ -368,7 +368,7 @@ class PrefillInstance(Instance):
         events = self.do(P.Register(r.id, 0, e.instance, e.dst_blocks, layout,
                                     deadline=e.deadline))
         for ev in events:
-            if isinstance(ev, RegistrationDropped):
+            if isinstance(ev, RegistrationDropped) and ev.final:
                 self.sim.decodes[r.decode].do(D.KVFailed(r.id, 0, ev.reason))
         self.start_push(events)
 
@@ -735,7 +735,7 @@ class Router:
                 return
             for e in d.do(Heartbeat(lease, cfg.heartbeat_extension)):
                 if isinstance(e, LeaseRenewed):
-                    sim.do(self.table, S.Renew(tenant, conv, e.expires_at))
+                    sim.do(self.table, S.Renew(tenant, conv, e.expires_at, lease))
                     d.expire_at(lease, e.expires_at)
             sim.env.timeout(cfg.heartbeat_interval).callbacks.append(beat)
 

@@ -14,9 +14,15 @@ What the harness plays:
 The transport's one promise (the contract the core's deadlines rest on): a push WRITE or a pull
 READ moves its data within `window` seconds of its plan. `advance` enforces it by landing and
 completing every such flight whose window closes before the new time. The cores are configured
-to match: prefill starts no WRITE within `window` of decode's deadline, decode starts no pull
-READ within `window` of prefill's hold expiry. Reuse READs are not bounded (they may overrun
-their estimate): decode's lease is pinned for them until the READ ends.
+to match: prefill starts no WRITE within its `write_margin` (the core's default unless given,
+which `window` must not exceed) of decode's deadline, decode starts no pull READ within
+`window` of prefill's hold expiry. Reuse READs may overrun their estimate: decode's lease is
+pinned for them, but only until the pin's bound (`until + pin_grace`), so the reader cancels a
+read still running `cancel_after` seconds past its plan (a failed read), inside that bound. A
+flight marked `stuck` is never cancelled: a reader that breaks the contract.
+
+Like the live connector, the driver tells decode "no KV" (`KVFailed`) when prefill drops a
+registration for good (`RegistrationDropped.final`) or a WRITE fails.
 
 Message flow (push): decode ExpectKV -> RegistrationSent -> prefill Register; prefill
 TransferPlanned -> one Notify per stream (`plan.fan_out(prefill.layout, decode.layout)`) ->
@@ -44,6 +50,7 @@ from kvplane.core.events import (
     LeaseGranted,
     LeasePinned,
     MetadataRelayed,
+    RegistrationDropped,
     RegistrationSent,
     ReuseDecided,
     SessionDropped,
@@ -113,14 +120,25 @@ class Pair:
         pool: int = 64,
         seed: int = 0,
         tenant_salt: bool = True,
+        write_margin: float | None = None,
+        pin_grace: float = 5.0,
+        forget_after: float = 600.0,
     ) -> None:
         self.p_layout = p_layout or layout()
         self.d_layout = d_layout or layout()
         self.window = window
         self.kv_timeout = kv_timeout
         self.hold_ttl = hold_ttl
-        self.prefill = pf.PrefillCore(P, self.p_layout, hold_timeout, write_margin=window)
-        self.decode = dc.DecodeCore(D, self.d_layout)
+        self.pin_grace = pin_grace
+        self.forget_after = forget_after
+        self.cancel_after = window + pin_grace / 2  # the reader's cancel, inside the pin bound
+        margin = {} if write_margin is None else {"write_margin": write_margin}
+        self.prefill = pf.PrefillCore(P, self.p_layout, hold_timeout, pin_grace=pin_grace,
+                                      forget_after=forget_after, **margin)
+        self.decode = dc.DecodeCore(D, self.d_layout, pin_grace=pin_grace,
+                                    forget_after=forget_after)
+        self.stuck: set[tuple[str, int, str]] = set()  # reuse reads that are never cancelled
+        self.jump = 0.0  # the next command is decided this many seconds in the past
         self.router = ss.SessionTable(R, block_size=self.d_layout.block_size)
         self.pool = {P: pool, D: pool}
         self.rng = random.Random(seed)
@@ -139,7 +157,8 @@ class Pair:
         return {P: self.prefill, D: self.decode, R: self.router}[side]
 
     def run(self, side: str, cmd: Any) -> list[Event]:
-        events: list[Event] = self.machine(side).handle(cmd, self.now)
+        now, self.jump = self.now - self.jump, 0.0  # a stale timestamp (a clock stepped back)
+        events: list[Event] = self.machine(side).handle(cmd, now)
         self.log += events
         for e in events:
             self._react(side, e)
@@ -176,7 +195,10 @@ class Pair:
                 streams = fan_out(self.d_layout, self.p_layout)
                 f = Flight(e, "reuse", streams, lease=decided.lease, reader=reader_of(req, e.attempt))
                 self.flights[(req, e.attempt, e.direction)] = f
-        elif side == P and isinstance(e, TransferFailed) and e.direction == "P->D":
+        elif side == P and (
+            (isinstance(e, TransferFailed) and e.direction == "P->D")
+            or (isinstance(e, RegistrationDropped) and e.final)
+        ):
             self.post(D, dc.KVFailed(req, e.attempt, e.reason))
         elif side == P and isinstance(e, LeaseGranted) and e.purpose == "pull_hold":
             self.post(R, PullMeta(req, e.attempt, e.blocks, e.num_tokens, e.expires_at))
@@ -288,14 +310,21 @@ class Pair:
         target = self.now + dt
         while True:
             due = [
-                f for f in self.flights.values()
+                (f.opened + self.window * 0.999, f) for f in self.flights.values()
                 if f.mode != "reuse" and f.opened + self.window <= target
+            ] + [
+                (f.opened + self.cancel_after, f) for f in self.flights.values()
+                if f.mode == "reuse" and f.key not in self.stuck
+                and f.opened + self.cancel_after <= target
             ]
             if not due:
                 break
-            f = min(due, key=lambda f: (f.opened, f.key))
-            self.now = max(self.now, f.opened + self.window * 0.999)
-            self.complete(f.key, ok=True)
+            at, f = min(due, key=lambda x: (x[0], x[1].key))
+            self.now = max(self.now, at)
+            if f.mode == "reuse":
+                self.complete(f.key, ok=False, reason="read cancelled: it overran its pin")
+            else:
+                self.complete(f.key, ok=True)
         self.now = target
 
     def tick(self) -> None:
@@ -386,8 +415,10 @@ class Pair:
 
     def refold(self) -> tuple[pf.PrefillCore, dc.DecodeCore, ss.SessionTable]:
         """Fresh machines with every logged event of theirs applied (replay = reduce(apply))."""
-        p = pf.PrefillCore(P, self.p_layout, self.prefill.hold_timeout, self.window)
-        d = dc.DecodeCore(D, self.d_layout)
+        p = pf.PrefillCore(P, self.p_layout, self.prefill.hold_timeout,
+                           self.prefill.write_margin, self.forget_after, self.pin_grace)
+        d = dc.DecodeCore(D, self.d_layout, pin_grace=self.pin_grace,
+                          forget_after=self.forget_after)
         r = ss.SessionTable(R, block_size=self.d_layout.block_size)
         for m in (p, d, r):
             fold(self.log, m)

@@ -310,10 +310,12 @@ def test_registration_with_too_few_blocks_is_dropped_not_raised() -> None:
     done(pair)
 
 
-def test_registration_for_another_model_is_a_peer_error() -> None:
+def test_registration_for_another_model_is_dropped_as_a_peer_error() -> None:
     pair = Pair()
-    with pytest.raises(PeerError):
-        pair.p(pf.Register("r1", 0, D, (1,), layout(layers=7)))
+    for other in (layout(layers=7), layout(heads=4), layout(hb=64)):
+        (drop,) = pair.p(pf.Register("r1", 0, D, (1,), other))
+        assert isinstance(drop, RegistrationDropped) and drop.final
+        assert drop.reason.startswith("peer error: ") and "another model" in drop.reason
 
 
 def test_duplicate_registration_is_dropped_and_harmless() -> None:
@@ -569,7 +571,7 @@ def test_renewable_retention_stays_while_heartbeats_come() -> None:
     for _ in range(5):
         pair.advance(8.0)
         pair.d(ls.Heartbeat(lease, 10.0))
-        pair.r(ss.Renew("t1", "c1", pair.decode.leases.leases[lease].expires_at))
+        pair.r(ss.Renew("t1", "c1", pair.decode.leases.leases[lease].expires_at, lease))
         pair.tick()
     assert pair.reuse("c1-2", "t1", "c1", t1 + [1] * 30) == "read"
     pair.settle()

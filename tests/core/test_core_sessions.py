@@ -49,7 +49,7 @@ def test_tenant_scoping() -> None:
     assert isinstance(m, SessionMissed)
     assert t.handle_of("t1", "c1") is not None
     assert t.handle(Drop("t2", "c1", "x"), 1.0) == []
-    assert t.handle(Renew("t2", "c1", 500.0), 1.0) == []
+    assert t.handle(Renew("t2", "c1", 500.0, "L1"), 1.0) == []
     assert t.handle_of("t1", "c1") == handle("L1")
 
 
@@ -81,8 +81,8 @@ def test_expiry_on_take_and_on_expire() -> None:
 def test_renew_moves_expiry_later_only() -> None:
     t = SessionTable("R")
     t.handle(Store("t1", "c1", handle("L1", expires_at=10.0)), 0.0)
-    assert t.handle(Renew("t1", "c1", 5.0), 1.0) == []
-    (r,) = t.handle(Renew("t1", "c1", 30.0), 1.0)
+    assert t.handle(Renew("t1", "c1", 5.0, "L1"), 1.0) == []
+    (r,) = t.handle(Renew("t1", "c1", 30.0, "L1"), 1.0)
     assert isinstance(r, SessionRenewed) and r.expires_at == 30.0
     h = t.handle_of("t1", "c1")
     assert h is not None and h.expires_at == 30.0

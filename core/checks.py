@@ -1,0 +1,51 @@
+"""Checks on the numbers and block lists that cross into the core.
+
+Rules kept here:
+- A duration, deadline or expiry is a finite number: NaN compares false with everything, so a
+  NaN TTL would never expire and a NaN deadline would never pass; infinity has the same effect.
+- Token counts are never negative: a negative count would plan negative bytes.
+- A block list names each block once: `(7, 7)` would put two blocks' worth of KV in one.
+- What our own side passes wrongly is a `ProtocolError`; what a peer sent is a `PeerError`, so
+  the caller records it and falls back instead of trusting it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from .errors import PeerError, ProtocolError
+
+
+def finite(value: float, what: str, *, minimum: float | None = 0.0) -> str | None:
+    """Why `value` is not an acceptable time or duration, or None when it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{what} must be a number, got {value!r}"
+    if not math.isfinite(value):
+        return f"{what} must be finite, got {value!r}"
+    if minimum is not None and value < minimum:
+        return f"{what} must be at least {minimum}, got {value!r}"
+    return None
+
+
+def duplicates(blocks: Sequence[int]) -> str | None:
+    """Why a block list is unusable (a repeated or negative id), or None when it is fine."""
+    if len(set(blocks)) != len(blocks):
+        dup = sorted(b for b, n in Counter(blocks).items() if n > 1)
+        return f"block ids {dup[:8]} appear more than once"
+    if blocks and min(blocks) < 0:
+        return f"negative block id {min(blocks)}"
+    return None
+
+
+def ours(machine: str, given: str, problem: str | None) -> None:
+    """Raise `ProtocolError` for a problem in what our own side passed."""
+    if problem is not None:
+        raise ProtocolError(machine, "", given, problem)
+
+
+def theirs(problem: str | None) -> None:
+    """Raise `PeerError` for a problem in what a peer sent."""
+    if problem is not None:
+        raise PeerError(problem)
