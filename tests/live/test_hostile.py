@@ -29,6 +29,7 @@ import json
 import random
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -65,7 +66,7 @@ HANDLE_KEY = "hostile-handle-key-0123456789abcdef-do-not-log"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    cfg = {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 60, "transfer_timeout": 10.0}
+    cfg = {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 60, "transfer_timeout": 20.0}
     c = _servers.pd_cluster("hostile", cfg, handle_key=HANDLE_KEY, prefix_caching=True)
     try:
         yield c
@@ -74,8 +75,11 @@ def cluster() -> Iterator[Any]:
 
 
 @pytest.fixture(autouse=True)
-def _both_stay_up(cluster: Any) -> Iterator[None]:
+def _both_stay_up(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
+    if "cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("cluster")
     for s in (cluster.prefill, cluster.decode):
         assert s.alive(), f"{s.name} died:\n{s.log_tail()}"
         assert s.healthy(), f"{s.name} is not healthy:\n{s.log_tail()}"
@@ -129,6 +133,29 @@ def prefill_params(cluster: Any, p: list[int], xfer: str) -> dict[str, Any]:
 
 def prefill_tokens(cluster: Any) -> float:
     return float(cluster.prefill.metric("vllm:prompt_tokens_total"))
+
+
+# ---- 0. configuration (before the cluster) -----------------------------------------------------
+
+
+def test_unknown_connector_key_stops_the_server() -> None:
+    """Runs first, alone (before the cluster starts): a fourth vLLM beside the cluster is more
+    memory than a small shared machine has."""
+    _servers.require_vllm()
+    s = _servers.VllmServer("misconfigured", _servers._tiny_model().tiny_model_dir(),
+                            _servers.log_dir("hostile-config"),
+                            connector={"mode": "push", "bidirectional": True})
+    s.start()
+    try:
+        deadline = time.monotonic() + 300
+        while s.alive() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not s.alive(), "a server with unknown connector keys came up"
+        text = s.log_path.read_text(errors="replace")
+        assert "unknown key(s) 'bidirectional', 'mode'" in text
+        assert "known keys:" in text and "bidirectional_kv_xfer" in text
+    finally:
+        s.stop()
 
 
 # ---- 1. through the router ---------------------------------------------------------------------
@@ -305,19 +332,59 @@ def test_prefix_hit_loads_only_the_rest(cluster: Any, mode: str) -> None:
 # ---- 4. peers ------------------------------------------------------------------------------------
 
 
+class Hole:
+    """A side channel that accepts connections and then drips its answer, one byte every two
+    seconds, so a handshake with it hangs until its order's deadline (never a socket time-out
+    on a quiet line)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.stop = threading.Event()
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+                conn.sendall(b"\x00\x00\x10\x00")  # a 4 KiB answer is coming...
+                self.conns.append(conn)
+            except OSError:
+                pass
+            for c in list(self.conns):
+                try:
+                    c.send(b"\x01")
+                except OSError:
+                    self.conns.remove(c)
+            self.stop.wait(2.0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
 def test_unreachable_peer_does_not_hold_up_others(cluster: Any) -> None:
-    """A push leg naming a side channel that accepts and never answers: its handshake waits
-    out its time-out off the transfer thread, while a pull of another request completes."""
-    hole = socket.socket()
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(16)
+    """A push leg naming a side channel that never finishes its answer: its handshake waits
+    off the transfer thread until the registration's deadline, while a pull of another request
+    completes; the stuck one then computes its prompt."""
+    hole = Hole()
     try:
-        host, port = hole.getsockname()
         p_bad, p_good = prompt(50, 64), prompt(51, 64)
         bad = f"hole-{uuid.uuid4().hex[:8]}"
         params = {"do_remote_prefill": True, "kvplane": {
             "v": 1, "mode": "push", "xfer": bad,
-            "source": {"instance": "nowhere", "host": host, "port": port}}}
+            "source": {"instance": "nowhere", "host": "127.0.0.1", "port": hole.port}}}
         with cf.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(post, cluster.decode.url, {"prompt": p_bad,
                                                          "kv_transfer_params": params})
@@ -326,11 +393,12 @@ def test_unreachable_peer_does_not_hold_up_others(cluster: Any) -> None:
             r = post(cluster.decode.url, {"prompt": p_good, "kv_transfer_params":
                                           prefill_params(cluster, p_good, good)})
             assert tokens(r)[0] == reference(cluster, p_good)
+            got = only(cluster.wait_for(good, ev.KVReceived), ev.KVReceived, instance="decode")
+            stuck = only(cluster.of(bad), ev.KVLoadFailed, instance="decode")
+            assert got and not stuck  # the good READ did not wait for the stuck handshake
             assert tokens(fut.result())[0] == reference(cluster, p_bad)
-        got = only(cluster.wait_for(good, ev.KVReceived), ev.KVReceived, instance="decode")
         lost = only(cluster.wait_for(bad, ev.KVLoadFailed), ev.KVLoadFailed, instance="decode")
-        assert got and lost
-        assert got[0].at < lost[0].at  # the good READ did not wait for the bad handshake
+        assert lost and got[0].at < lost[0].at
     finally:
         hole.close()
 
@@ -343,19 +411,3 @@ def test_kvplane_logs_in_vllm_log_and_no_key(cluster: Any) -> None:
         text = s.log_path.read_text(errors="replace")
         assert f"kvplane {s.name}: side channel on" in text  # an INFO line of ours
         assert HANDLE_KEY not in text
-
-
-def test_unknown_connector_key_stops_the_server(cluster: Any) -> None:
-    s = _servers.VllmServer("misconfigured", cluster.prefill.model, cluster.logs,
-                            connector={"mode": "push", "bidirectional": True})
-    s.start()
-    try:
-        deadline = time.monotonic() + 300
-        while s.alive() and time.monotonic() < deadline:
-            time.sleep(1)
-        assert not s.alive(), "a server with unknown connector keys came up"
-        text = s.log_path.read_text(errors="replace")
-        assert "unknown key(s) 'bidirectional', 'mode'" in text
-        assert "known keys:" in text and "bidirectional_kv_xfer" in text
-    finally:
-        s.stop()
