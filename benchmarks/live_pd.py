@@ -434,9 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     run = args.run or f"live-pd-{uuid.uuid4().hex[:8]}"
     servers = _load("servers")
     model = _load("tiny_model").tiny_model_dir()
-    cfg = {"kvplane_db": str(db), "kvplane_run": run, "decoder_kv_blocks_ttl": args.lease_ttl,
-           "handle_key": HANDLE_KEY}
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
+    cfg = {"kvplane_db": str(db), "kvplane_run": run, "decoder_kv_blocks_ttl": args.lease_ttl}
+    env = {"KVPLANE_HANDLE_KEY": HANDLE_KEY, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
                                                        os.environ.get("PYTHONPATH", "")])),
            HOOK_DIR_ENV: str(hooks)}
     Timed = timed_server_class()

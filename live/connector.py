@@ -14,6 +14,15 @@ The class is a facade: vLLM makes it once in the scheduler process (role SCHEDUL
 (role WORKER: the `WorkerHalf`, which registers the KV cache with NIXL and runs the transfer
 thread). Each hook forwards to the half of its role.
 
+The hook boundary is a wall: every hook that serves a request runs under `_wall`, so an error
+of ours, of a peer or of a hostile client (malformed `kv_transfer_params`, a replayed transfer
+id, a core refusal) is recorded (`KVLoadFailed` naming the hook) and the request goes on without
+a transfer: it computes its prompt locally, or, while its KV was on the way, is reported as a
+failed load so that vLLM recomputes it. vLLM's engine never sees our exception.
+
+kvplane's loggers (`kvplane.*`) write through vLLM's own handlers, so their lines appear in
+vLLM's log with vLLM's format.
+
 vLLM is imported lazily: `KvplaneConnector` (and its stats classes) are built on first
 attribute access (`getattr(module, "KvplaneConnector")`, which is how vLLM's factory loads it),
 so importing this module stays cheap and works where vLLM is not installed.
@@ -58,7 +67,22 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Any:
                     head_bytes=int(spec.head_size) * int(spec.dtype.itemsize))
 
 
+def share_vllm_logging() -> None:
+    """Give the `kvplane` logger vLLM's handlers (it has none of its own; without this its INFO
+    lines go nowhere)."""
+    import logging
+
+    ours, theirs = logging.getLogger("kvplane"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(min(theirs.getEffectiveLevel(), logging.INFO))
+    ours.propagate = False
+
+
 def _build() -> dict[str, Any]:
+    import functools
     import logging
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -72,7 +96,7 @@ def _build() -> dict[str, Any]:
     from vllm.v1.metrics.utils import create_metric_per_engine
 
     from kvplane.live import vllm_compat
-    from kvplane.live.connector_config import ConnectorConfig
+    from kvplane.live.connector_config import ConnectorConfig, load_handle_key
     from kvplane.live.connector_scheduler import SchedulerHalf
     from kvplane.live.connector_wire import KvplaneMeta, KvplaneWorkerMeta
     from kvplane.live.connector_worker import WorkerHalf
@@ -84,6 +108,36 @@ def _build() -> dict[str, Any]:
     # vLLM's log handler covers the "vllm" namespace: this line shows in the server's log
     logging.getLogger("vllm.kvplane").info("KvplaneConnector for vLLM %s (%s)", api.version,
                                            api.results)
+
+    def _wall(fallback: Any, static: Any = None) -> Any:
+        """Stop every exception at the hook: record it, return the hook's safe answer
+        (`fallback(self, *args)`, or `static` should that fail too)."""
+
+        def deco(fn: Any) -> Any:
+            @functools.wraps(fn)
+            def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return fn(self, *args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - the wall
+                    request = args[0] if args else None
+                    rid = getattr(request, "request_id", None)
+                    try:
+                        if self.sched is not None:
+                            self.sched.hook_failed(fn.__name__, exc, request)
+                        else:
+                            logger.warning("kvplane: %s failed: %r", fn.__name__, exc,
+                                           exc_info=True)
+                    except Exception:
+                        logger.exception("kvplane: %s failed (request %s)", fn.__name__, rid)
+                    try:
+                        return fallback(self, *args)
+                    except Exception:
+                        logger.exception("kvplane: the fall-back of %s failed", fn.__name__)
+                        return static
+
+            return hook
+
+        return deco
 
     class KvplaneStats(KVConnectorStats):  # type: ignore[misc]
         """Bytes, descriptors and seconds of the transfers a worker finished, per interval."""
@@ -150,6 +204,7 @@ def _build() -> dict[str, Any]:
             super().__init__(vllm_config, role, kv_cache_config)
             ktc = vllm_config.kv_transfer_config
             engine_id = str(ktc.engine_id or "")
+            share_vllm_logging()
             self.cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config, engine_id)
             self.sched: SchedulerHalf | None = None
             self.worker: WorkerHalf | None = None
@@ -162,16 +217,27 @@ def _build() -> dict[str, Any]:
             backend = nixl_backend((ktc.kv_connector_extra_config or {}).get("backends", "UCX"))
             if role == KVConnectorRole.SCHEDULER:
                 if vllm_config.cache_config.enable_prefix_caching:
+                    logger.info(
+                        "KvplaneConnector: prefix caching is on; decode loads only the tokens "
+                        "past its local hit (the recorded block ledger sees prefill's shared "
+                        "blocks as owned by several requests)")
+                key = load_handle_key(self.cfg)
+                if not key:
                     logger.warning(
-                        "KvplaneConnector: prefix caching is on; blocks shared between "
-                        "requests make the recorded block ledger report double allocations. "
-                        "Run P/D instances with --no-enable-prefix-caching.")
+                        "KvplaneConnector: no handle key ($KVPLANE_HANDLE_KEY or "
+                        "handle_key_file): handles are unsigned, so anyone who can reach this "
+                        "instance's HTTP port can name KV blocks in kv_transfer_params")
+                mc = vllm_config.model_config
+                served = getattr(mc, "served_model_name", None)
+                if isinstance(served, (list, tuple)):
+                    served = served[0] if served else None
                 layout = layout_from_vllm(vllm_config, kv_cache_config)
                 recorder = open_recorder(
                     self.cfg.kvplane_db, self.cfg.kvplane_run or engine_id,
                     instance=self.cfg.instance,
                     meta={"driver": "vllm", "connector": "KvplaneConnector"})
-                self.sched = SchedulerHalf(self.cfg, layout, engine_id, recorder)
+                self.sched = SchedulerHalf(self.cfg, layout, engine_id, recorder,
+                                           handle_key=key, model=str(served or mc.model))
                 logger.info("KvplaneConnector scheduler half for %s: %s", self.cfg.instance,
                             layout)
             else:
@@ -185,6 +251,7 @@ def _build() -> dict[str, Any]:
 
         # ---- scheduler side ----------------------------------------------------------------
 
+        @_wall(lambda self, *a: (0, False), (0, False))
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                        ) -> tuple[int | None, bool]:
             assert self.sched is not None
@@ -192,6 +259,7 @@ def _build() -> dict[str, Any]:
                 self._local_tokens[request.request_id] = int(num_computed_tokens)
             return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+        @_wall(lambda self, request, blocks=None, n=0, *a: self.sched.alloc_failed(request, n))
         def update_state_after_alloc(self, request: Any, blocks: Any,
                                      num_external_tokens: int) -> None:
             assert self.sched is not None
@@ -203,6 +271,7 @@ def _build() -> dict[str, Any]:
                     num_external_tokens, self.sched.layout.block_size)
             self.sched.update_state_after_alloc(request, block_ids, num_external_tokens)
 
+        @_wall(lambda self, *a: self.sched.take_pending(), KvplaneMeta())
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             assert self.sched is not None
             meta = self.sched.build_connector_meta()
@@ -218,12 +287,18 @@ def _build() -> dict[str, Any]:
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(meta, KvplaneWorkerMeta):
                 for fact in meta.facts:
-                    self.sched.on_fact(fact)
+                    try:
+                        self.sched.on_fact(fact)
+                    except Exception as exc:  # noqa: BLE001 - the wall, fact by fact
+                        self.sched.fault(f"fact {fact.kind} not applied", exc,
+                                         request=fact.xfer, attempt=fact.attempt)
 
+        @_wall(lambda self, *a: None)
         def on_new_request(self, request: Any) -> None:
             if self.sched is not None:
                 self.sched.on_new_request(request)
 
+        @_wall(lambda self, request, *a: self.sched.finish_failed(request), (False, None))
         def request_finished(self, request: Any, block_ids: list[int]
                              ) -> tuple[bool, dict[str, Any] | None]:
             assert self.sched is not None
@@ -231,6 +306,7 @@ def _build() -> dict[str, Any]:
             self._load_blocks.pop(request.request_id, None)
             return self.sched.request_finished(request, block_ids)
 
+        @_wall(lambda self, *a: False, False)
         def has_pending_push_work(self) -> bool:
             return self.sched is not None and self.sched.has_pending_work()
 
@@ -260,6 +336,7 @@ def _build() -> dict[str, Any]:
         def get_handshake_metadata(self) -> Any:
             return self.worker.handshake() if self.worker is not None else None
 
+        @_wall(lambda self, *a: None)
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self.worker is None or not self.has_connector_metadata():
                 return
@@ -281,6 +358,10 @@ def _build() -> dict[str, Any]:
             return
 
         if api.reports_failed_requests:
+            def _no_results(self: Any, *a: Any) -> Any:
+                return vllm_compat.transfer_results_class()()
+
+            @_wall(_no_results)
             def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
                 results = vllm_compat.transfer_results_class()
                 if self.worker is None:
@@ -289,6 +370,7 @@ def _build() -> dict[str, Any]:
                 return results(finished_sending=sending, finished_recving=recving | failed,
                                failed_recving=failed)
         else:
+            @_wall(lambda self, *a: (None, None), (None, None))
             def get_finished(self, finished_req_ids: set[str]
                              ) -> tuple[set[str] | None, set[str] | None]:
                 if self.worker is None:
@@ -297,17 +379,24 @@ def _build() -> dict[str, Any]:
                 self._load_errors = self.worker.load_error_blocks()
                 return sending or None, (recving | failed) or None
 
+            @_wall(lambda self, *a: set(), set())
             def get_block_ids_with_load_errors(self) -> set[int]:
                 out, self._load_errors = self._load_errors, set()
                 return out
 
         @classmethod
         def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-            return vllm_compat.required_layout(vllm_config)
+            try:
+                return vllm_compat.required_layout(vllm_config)
+            except Exception:
+                logger.exception("kvplane: choosing the KV cache layout failed")
+                return None
 
+        @_wall(lambda self, *a: None)
         def build_connector_worker_meta(self) -> Any:
             return self.worker.worker_meta() if self.worker is not None else None
 
+        @_wall(lambda self, *a: None)
         def get_kv_connector_stats(self) -> Any:
             if self.worker is None:
                 return None

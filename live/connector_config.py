@@ -1,8 +1,13 @@
 """KvplaneConnector's settings: `kv_connector_extra_config` keys, with defaults and help.
 
-Built once per process from the dict vLLM hands us (no I/O when built). Unknown keys are kept
-out (vLLM's own NIXL keys may sit in the same dict); a known key with a bad value is a
-`ValueError` at start-up, not a surprise later.
+Built once per process from the dict vLLM hands us. An unknown key (a typo, or a key of
+another connector such as `mode`) is a `ValueError` at start-up that lists the known ones, and
+so is a known key with a bad value: a setting never silently does nothing.
+
+The HMAC key that signs handles is a secret, and vLLM prints `kv_connector_extra_config` in its
+start-up log: so it is never taken from there (a `handle_key` there is refused). It comes from
+`$KVPLANE_HANDLE_KEY`, else from the file `handle_key_file` names (`load_handle_key`, the only
+place that reads a file, called when the connector starts, not when the config is built).
 """
 
 from __future__ import annotations
@@ -51,9 +56,12 @@ class ConnectorConfig:
                 "side channel); off: a fixed TTL, as published."})
     lease_extension: float = field(default=60.0, metadata={
         "help": "A heartbeat moves a renewable lease's expiry to now + this many seconds."})
-    handle_key: str = field(default="", metadata={
-        "help": "HMAC key (UTF-8) the router signs retained handles with; when set, a reuse "
-                "handle, renew or release without a valid signature is refused."})
+    handle_key_file: str = field(default="", metadata={
+        "help": "File holding the HMAC key that signs handles (pull handles, which prefill "
+                "issues, and reuse handles, which the router issues), when $KVPLANE_HANDLE_KEY "
+                "is not set. With a key, a handle without a valid signature is refused."})
+    backends: tuple[str, ...] = field(default=("UCX",), metadata={
+        "help": "NIXL backends to create (this connector's transport creates UCX)."})
     kv_recompute_threshold: int = field(default=64, metadata={
         "help": "Prefill reads retained KV only when it supplies at least this many tokens."})
     reuse_read_estimate: float = field(default=1.0, metadata={
@@ -65,8 +73,21 @@ class ConnectorConfig:
                 "cores)."})
 
     @classmethod
+    def known_keys(cls) -> list[str]:
+        return sorted(f.name for f in fields(cls))
+
+    @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, engine_id: str = "") -> ConnectorConfig:
         extra = dict(extra or {})
+        if "handle_key" in extra:
+            raise ValueError(
+                "kv_connector_extra_config['handle_key'] is refused: vLLM prints this dict in "
+                "its start-up log. Export KVPLANE_HANDLE_KEY or name a file in handle_key_file.")
+        unknown = sorted(set(extra) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))} for "
+                f"KvplaneConnector; known keys: {', '.join(cls.known_keys())}")
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in extra:
@@ -74,7 +95,11 @@ class ConnectorConfig:
             raw = extra[f.name]
             kind = type(f.default)
             try:
-                if kind is bool:
+                if kind is tuple:
+                    if isinstance(raw, str) or not isinstance(raw, (list, tuple)):
+                        raise TypeError("a list of strings is expected")
+                    values[f.name] = tuple(str(x) for x in raw)
+                elif kind is bool:
                     values[f.name] = raw if isinstance(raw, bool) else str(raw).lower() in (
                         "1", "true", "yes", "on")
                 else:
@@ -101,3 +126,26 @@ class ConnectorConfig:
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be positive")
         return cfg
+
+
+def load_handle_key(cfg: ConnectorConfig) -> bytes:
+    """The handle key: $KVPLANE_HANDLE_KEY, else the file `handle_key_file` names, else b""
+    (handles unsigned). Never logged."""
+    env = os.environ.get(HANDLE_KEY_ENV, "")
+    if env:  # as the router reads it (kvplane router), byte for byte
+        return env.encode()
+    if cfg.handle_key_file:
+        try:
+            with open(cfg.handle_key_file, "rb") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"kv_connector_extra_config['handle_key_file']: cannot read "
+                             f"{cfg.handle_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"kv_connector_extra_config['handle_key_file']: "
+                             f"{cfg.handle_key_file} is empty")
+        return key
+    return b""
+
+
+HANDLE_KEY_ENV = "KVPLANE_HANDLE_KEY"

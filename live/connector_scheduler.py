@@ -18,9 +18,15 @@ How it works:
 - Time is the wall clock (`time.time()`): leases and deadlines cross instances, and the
   recorded events of all instances are merged by time before replay.
 
-Requirements (checked or documented): TP 1; prefix caching off on both sides (the core's ledger
-gives every block one owner; vLLM's prefix cache would share blocks between requests); one block
-size on both sides.
+- The hooks are a wall (see connector.py): an error of ours or of a peer inside a hook is
+  recorded and the request computes its prompt locally; vLLM's engine never sees it.
+- Per-request decisions (who owns an exchange, which tokens to load into which blocks, the
+  reuse/compute split, retain and TTL, deadlines, attempt numbers) are
+  `kvplane.core.connector_rules`; handles are signed and checked with `kvplane.core.signing`.
+
+Requirements (checked or documented): TP 1; one block size on both sides. Prefix caching may be
+on: decode loads only the tokens past its local hit, into the blocks after it (the recorded
+block ledger then sees blocks shared between requests on prefill, which replay reports).
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplane.core import connector_rules as rules
 from kvplane.core import decode as dcore
 from kvplane.core import prefill as pcore
+from kvplane.core import signing
 from kvplane.core.errors import PeerError, ProtocolError
 from kvplane.core.events import (
     BlocksFreed,
@@ -45,8 +53,10 @@ from kvplane.core.events import (
     KVReceived,
     LeaseExpired,
     LeaseGranted,
+    LeasePinned,
     LeaseReleased,
     LeaseRenewed,
+    LeaseUnpinned,
     PrefillStarted,
     RegistrationDropped,
     RegistrationSent,
@@ -57,7 +67,7 @@ from kvplane.core.events import (
     TransferPlanned,
 )
 from kvplane.core.hashing import block_hashes
-from kvplane.core.lease import Heartbeat, Release
+from kvplane.core.lease import BeginRead, EndRead, Heartbeat, Release
 from kvplane.core.plan import KVLayout, plan_transfer
 from kvplane.live.connector_config import ConnectorConfig
 from kvplane.live.connector_wire import (
@@ -85,6 +95,7 @@ logger = logging.getLogger(__name__)
 
 _OK_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 _TICK_EVERY = 0.02
+PIN_MARGIN = 0.3  # a READ ends this long before the lease it reads under could expire
 
 
 @dataclass(slots=True)
@@ -100,6 +111,8 @@ class Req:
     expected: bool = False  # decode: ExpectKV done (one transfer per request)
     started: bool = False  # PrefillStarted recorded
     preemptions: int = 0
+    local_hit: int = 0  # tokens vLLM had in its own prefix cache when the request was matched
+    shared: list[int] = field(default_factory=list)  # decode: blocks of that hit (never written)
     # vLLM's view: "running", "waiting_kv" (async load in flight), "finished_waiting_kv"
     # (finished while a load was in flight), "delay_send" (finished, blocks kept for us), "done"
     vllm: str = "running"
@@ -130,10 +143,13 @@ class SchedulerHalf:
 
     def __init__(self, cfg: ConnectorConfig, layout: KVLayout, engine_id: str,
                  recorder: SafeRecorder, *, clock: Callable[[], float] = time.time,
-                 serve: bool = True) -> None:
+                 serve: bool = True, handle_key: bytes = b"", model: str = "") -> None:
         if layout.tp != 1:
             raise NotImplementedError("KvplaneConnector moves KV between TP-1 instances only")
         self.cfg = cfg
+        self.key = handle_key  # signs pull handles, checks every handle (b"": unsigned)
+        self.model = model
+        self.claims = rules.Claims()
         self.layout = layout
         self.clock = clock
         self.recorder = recorder
@@ -142,8 +158,10 @@ class SchedulerHalf:
                                          write_margin=cfg.write_margin)
         self.decode = dcore.DecodeCore(cfg.instance, layout)
         self.reqs: dict[str, Req] = {}
+        self._unclaimed: set[str] = set()  # requests refused a claim (reported once)
         self.by_key: dict[tuple[str, str, int], Req] = {}
         self.decode_of: dict[tuple[str, int], Endpoint] = {}  # push registrations: who to WRITE
+        self.skip_of: dict[tuple[str, int], int] = {}  # push: leading blocks decode already has
         self.retained_of: dict[tuple[str, int], Retained] = {}  # prefill: the handle being read
         self.pending = KvplaneMeta()
         self._last_tick = 0.0
@@ -177,7 +195,7 @@ class SchedulerHalf:
                          "kv_recompute_threshold": cfg.kv_recompute_threshold,
                          "kv_lease_duration": cfg.kv_lease_duration,
                          "kv_wait_timeout": cfg.kv_wait_timeout,
-                         "signed_handles": bool(cfg.handle_key),
+                         "signed_handles": bool(self.key),
                          "hash_salt": cfg.hash_salt}}).encode())
         if self._serve:
             self.side_channel.start()
@@ -190,24 +208,43 @@ class SchedulerHalf:
         except (ValueError, TypeError) as exc:
             logger.warning("kvplane %s: unreadable fact from a worker: %s", self.me.instance, exc)
             return
-        self.on_fact(fact)
+        try:
+            self.on_fact(fact)
+        except Exception as exc:  # noqa: BLE001 - the wall, on the side channel's thread
+            self.fault(f"fact {fact.kind} not applied", exc, request=fact.xfer,
+                       attempt=fact.attempt)
 
     # ---- lease control from the router (side channel) -----------------------------------------
 
     def _verify(self, handle: Any) -> None:
         """Raise `PeerError` unless `handle` carries a valid router signature (when a key is
         configured)."""
-        if not self.cfg.handle_key:
+        if not self.key:
             return
         from kvplane.live.router_handles import HandleError, verify_wire
 
         try:
-            verify_wire(self.cfg.handle_key.encode(), handle)
+            verify_wire(self.key, handle)
         except HandleError as exc:
             raise PeerError(f"retained handle refused: {exc}") from exc
 
+    def _verify_pull(self, handle: Any, xfer: str) -> None:
+        """Raise `PeerError` unless a pull handle is prefill's own, unaltered, for this
+        transfer and not expired (when a key is configured)."""
+        if not self.key:
+            return
+        try:
+            signing.verify(self.key, handle)
+            signing.check_bound(handle, xfer=xfer, now=self.clock())
+        except signing.SignatureError as exc:
+            raise PeerError(f"pull handle refused: {exc}") from exc
+
     def _control_request(self, key: str) -> bytes | None:  # a side channel thread
         kind, _, rest = key.partition("/")
+        if kind == "unhold":
+            return self._unhold(rest)
+        if kind in ("pin", "unpin"):
+            return self._pin(kind, rest)
         if kind not in ("renew", "release"):
             return None
         try:
@@ -220,6 +257,60 @@ class SchedulerHalf:
             logger.warning("kvplane %s: refused %s request: %s", self.me.instance, kind, exc)
             return None
         return self._control(kind, lease)
+
+    def _unhold(self, raw: str) -> bytes | None:
+        """The router gives back a pull hold decode will never read (decode refused the leg):
+        the handle must be one this instance signed."""
+        try:
+            handle = json.loads(raw)
+            if self.key:
+                signing.verify(self.key, handle)
+            src = SourceHandle.from_dict(handle)
+            if src.source.instance != self.me.instance:
+                raise PeerError("the handle names another instance")
+        except (ValueError, PeerError, signing.SignatureError) as exc:
+            logger.warning("kvplane %s: refused unhold request: %s", self.me.instance, exc)
+            return None
+        return self._release_hold(src.xfer, src.lease)
+
+    def _pin(self, kind: str, raw: str) -> bytes | None:
+        """A reader's `pin/` before its READ of our blocks (the lease must be alive; it stays
+        until `unpin/`), for a handle this instance (pull) or the router (reuse) signed."""
+        try:
+            body = json.loads(raw)
+            handle, reader = body["handle"], str(body["reader"])
+            if body.get("kind") == "pull":
+                if self.key:
+                    signing.verify(self.key, handle)
+                src = SourceHandle.from_dict(handle)
+                role, lease, owner = "prefill", src.lease, src.source.instance
+            else:
+                self._verify(handle)
+                role, lease = "decode", str(handle["lease"])
+                owner = Endpoint.from_dict(handle["source"]).instance
+            if owner != self.me.instance:
+                raise PeerError("the handle names another instance")
+            duration = max(0.0, float(body.get("duration", 0.0)))
+        except (ValueError, KeyError, TypeError, PeerError, signing.SignatureError) as exc:
+            logger.warning("kvplane %s: refused %s request: %s", self.me.instance, kind, exc)
+            return None
+        return self._pin_lease(kind, role, lease, reader, duration)
+
+    @_locked
+    def _pin_lease(self, kind: str, role: str, lease: str, reader: str,
+                   duration: float) -> bytes | None:
+        cmd: Any = BeginRead(lease, reader, duration) if kind == "pin" else EndRead(lease, reader)
+        events = self._handle(role, cmd, self.clock())
+        want = LeasePinned if kind == "pin" else LeaseUnpinned
+        if not any(isinstance(e, want) for e in events):
+            return None
+        return json.dumps({"lease": lease, kind: True}).encode()
+
+    @_locked
+    def _release_hold(self, xfer: str, lease: str) -> bytes:
+        events = self._handle("prefill", Release(lease, "decode refused the leg"), self.clock())
+        released = any(isinstance(e, LeaseReleased) for e in events)
+        return json.dumps({"xfer": xfer, "released": released}).encode()
 
     @_locked
     def _control(self, kind: str, lease: str) -> bytes | None:
@@ -236,12 +327,15 @@ class SchedulerHalf:
     # ---- the core, recording and reacting -----------------------------------------------------
 
     def _handle(self, role: str, cmd: Any, now: float) -> list[Event]:
+        """Run one core command; a refusal (`PeerError` or `ProtocolError`, whatever its
+        message) is recorded and comes back as no events: the caller falls back."""
         core = self.prefill if role == "prefill" else self.decode
         try:
             events = core.handle(cmd, now)
-        except PeerError as exc:
-            logger.warning("kvplane %s: peer error on %s: %s", self.me.instance,
-                           type(cmd).__name__, exc)
+        except (PeerError, ProtocolError) as exc:
+            self.fault(f"{role} core refused {type(cmd).__name__}", exc,
+                       request=getattr(cmd, "request", None),
+                       attempt=getattr(cmd, "attempt", 0), at=now)
             return []
         self.recorder.record_all(events)
         self._react(role, events, now)
@@ -249,6 +343,20 @@ class SchedulerHalf:
 
     def _record(self, *events: Event) -> None:
         self.recorder.record_all(list(events))
+
+    def fault(self, what: str, exc: BaseException, *, request: str | None = None,
+              attempt: int = 0, at: float | None = None) -> None:
+        """Record an error stopped at the wall (the request then computes locally)."""
+        reason = f"connector: {what}: {type(exc).__name__}: {exc}"[:500]
+        logger.warning("kvplane %s: %s%s", self.me.instance, reason,
+                       f" (request {request})" if request else "")
+        if request:
+            try:
+                self._record(KVLoadFailed(at=self.clock() if at is None else at,
+                                          instance=self.me.instance, request=request,
+                                          attempt=int(attempt), reason=reason))
+            except Exception:
+                logger.exception("kvplane: could not record a fault")
 
     def _react(self, role: str, events: Sequence[Event], now: float) -> None:
         for ev in events:
@@ -312,7 +420,7 @@ class SchedulerHalf:
         if self.decode.phase(req.leg.xfer, req.attempt) == "decoding":
             self._handle("decode", dcore.Finish(req.leg.xfer, req.attempt), now)
         self.by_key.pop(req.key, None)
-        req.attempt += 1
+        req.attempt = rules.next_attempt(req.attempt)
         req.blocks = []
         self.by_key[req.key] = req
         logger.info("kvplane %s: %s for %s; computing it locally (attempt %d)",
@@ -329,40 +437,50 @@ class SchedulerHalf:
                 src = req.leg.pull
                 plan = plan_transfer(src.layout, self.layout, ev.src_blocks, ev.dst_blocks,
                                      ev.num_tokens)
+                wire = (req.request.kv_transfer_params or {})["kvplane"]["pull"]
                 self.pending.orders.append(Order(
                     "read", xfer, attempt, src.source,
                     tuple(block_runs(plan, src.layout.block_size, self.layout.block_size)),
-                    notify=encode_notif("READ", {"xfer": xfer, "attempt": attempt}),
-                    deadline=min(now + self.cfg.transfer_timeout, src.expires_at),
-                    purpose="pull"))
+                    notify=self._notif("READ", {"xfer": xfer, "attempt": attempt}),
+                    deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
+                                                 src.expires_at, margin=PIN_MARGIN),
+                    purpose="pull", pin=self._pin_body("pull", wire, xfer, attempt)))
             elif ev.direction == "D->P":  # reuse: READ decode's retained blocks
                 handle = self.retained_of[(xfer, attempt)]
                 plan = plan_transfer(handle.layout, self.layout, ev.src_blocks, ev.dst_blocks,
                                      ev.num_tokens)
+                wire = (req_of.request.kv_transfer_params or {})["kvplane"]["reuse"] \
+                    if (req_of := self.by_key.get(("prefill", xfer, attempt))) else None
                 self.pending.orders.append(Order(
                     "read", xfer, attempt, handle.source,
                     tuple(block_runs(plan, handle.layout.block_size, self.layout.block_size)),
-                    deadline=min(now + self.cfg.transfer_timeout, handle.expires_at - 0.05),
-                    purpose="reuse"))
+                    deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
+                                                 handle.expires_at, margin=PIN_MARGIN),
+                    purpose="reuse",
+                    pin=self._pin_body("reuse", wire, xfer, attempt) if wire else ""))
             else:  # push: WRITE into decode's registered blocks
                 peer = self.decode_of[(xfer, attempt)]
                 reg = self.prefill.entries[(xfer, attempt)].registration
                 assert reg is not None
                 dst_layout = self.prefill.layout_of(reg)
-                plan = plan_transfer(self.layout, dst_layout, ev.src_blocks, ev.dst_blocks,
-                                     ev.num_tokens)
-                deadline = now + self.cfg.transfer_timeout
-                if reg.deadline is not None:
-                    deadline = min(deadline, reg.deadline)
+                # decode already has its first `skip` blocks (its local prefix hit): those may
+                # be shared with other requests there, so they are never written
+                skip = self.skip_of.get((xfer, attempt), 0)
+                window = rules.LoadWindow(skip, ev.num_tokens - skip * dst_layout.block_size)
+                if window.num_tokens <= 0:
+                    raise PeerError(f"decode's hit of {skip} blocks covers the whole prompt")
+                plan = plan_transfer(self.layout, dst_layout, window.src(ev.src_blocks),
+                                     window.dst(ev.dst_blocks), window.num_tokens)
+                deadline = rules.read_deadline(now, self.cfg.transfer_timeout, reg.deadline)
                 for stream in plan.streams:
                     self.pending.orders.append(Order(
                         "write", xfer, attempt, peer,
                         tuple(block_runs(plan, self.layout.block_size, dst_layout.block_size)),
-                        notify=encode_notif("DONE", {"xfer": xfer, "attempt": attempt,
+                        notify=self._notif("DONE", {"xfer": xfer, "attempt": attempt,
                                                      "src_rank": stream.src_rank,
                                                      "dst_rank": stream.dst_rank}),
                         deadline=deadline, purpose="push"))
-        except (PeerError, KeyError, AssertionError) as exc:
+        except (PeerError, KeyError, AssertionError, ValueError) as exc:
             # The plan was recorded but cannot be carried out: end it as failed at once.
             logger.warning("kvplane %s: cannot carry out %s transfer of %s: %r",
                            self.me.instance, ev.direction, xfer, exc)
@@ -371,14 +489,28 @@ class SchedulerHalf:
                               purpose="pull" if role == "decode" else (
                                   "reuse" if ev.direction == "D->P" else "push")))
 
+    def _notif(self, kind: Any, body: dict[str, Any]) -> bytes:
+        """A NIXL notification to a peer, signed with the handle key (when there is one): a
+        peer only acts on notifications another instance of the deployment sent."""
+        if self.key:
+            body = signing.sign(self.key, {**body, "kind": kind})
+        return encode_notif(kind, body)
+
+    def _pin_body(self, kind: str, handle: Any, xfer: str, attempt: int) -> str:
+        return json.dumps({"kind": kind, "handle": handle,
+                           "reader": f"{self.me.instance}/{xfer}#{attempt}"})
+
     def _order_registration(self, ev: RegistrationSent, req: Req | None, now: float) -> None:
         if req is None or req.leg.source is None:
             return
+        # the blocks of decode's local hit lead the list (prefill plans from token 0) and
+        # `skip` says how many of them prefill must not write
         body = {"xfer": ev.request, "attempt": ev.attempt, "decode": self.me.to_dict(),
-                "blocks": list(ev.dst_blocks), "num_tokens": ev.num_tokens,
-                "layout": layout_to_dict(self.layout), "deadline": ev.deadline}
+                "blocks": list(req.shared) + list(ev.dst_blocks), "skip": len(req.shared),
+                "num_tokens": ev.num_tokens, "layout": layout_to_dict(self.layout),
+                "deadline": ev.deadline}
         self.pending.orders.append(Order("notify", ev.request or "", ev.attempt, req.leg.source,
-                                         notify=encode_notif("REG", body),
+                                         notify=self._notif("REG", body),
                                          deadline=now + self.cfg.transfer_timeout,
                                          purpose="register"))
 
@@ -390,7 +522,7 @@ class SchedulerHalf:
             return
         self.pending.orders.append(Order(
             "notify", xfer, attempt, peer,
-            notify=encode_notif("FAIL", {"xfer": xfer, "attempt": attempt, "reason": reason}),
+            notify=self._notif("FAIL", {"xfer": xfer, "attempt": attempt, "reason": reason}),
             deadline=self.clock() + self.cfg.transfer_timeout, purpose="fail"))
 
     # ---- vLLM hooks -----------------------------------------------------------------------------
@@ -407,9 +539,16 @@ class SchedulerHalf:
             try:
                 self._verify(params["kvplane"]["reuse"])
             except PeerError as exc:
-                logger.warning("kvplane %s: request %s: %s; computing the prompt",
-                               self.me.instance, request.request_id, exc)
+                self.fault("reuse handle refused; computing the prompt", exc, request=leg.xfer,
+                           attempt=leg.attempt)
                 leg = dataclasses.replace(leg, reuse=None)
+        if leg is not None and leg.pull is not None:
+            try:
+                self._verify_pull(params["kvplane"]["pull"], leg.xfer)
+            except PeerError as exc:
+                self.fault("pull handle refused; computing the prompt", exc, request=leg.xfer,
+                           attempt=leg.attempt)
+                leg = dataclasses.replace(leg, pull=None, source=None)
         return leg
 
     def _req(self, request: Any) -> Req | None:
@@ -418,6 +557,20 @@ class SchedulerHalf:
             return req
         leg = self._leg(request)
         if leg is None:
+            return None
+        key = (leg.role, leg.xfer, leg.attempt)
+        # only a leg that moves KV claims its exchange: a refused (forged) one must not take
+        # the transfer id away from the real request
+        moves = leg.role == "prefill" or leg.source is not None
+        if moves and not self.claims.claim(key, request.request_id):
+            # n > 1, a batch prompt or a replay: another request owns this exchange; this one
+            # computes its prompt itself, with no transfer and no hold
+            if request.request_id not in self._unclaimed:
+                self._unclaimed.add(request.request_id)
+                self.fault(f"{leg.role} leg {leg.xfer}#{leg.attempt} already belongs to "
+                           f"request {self.claims.owner(key)}; request {request.request_id} "
+                           "computes its prompt", PeerError("duplicate transfer id"),
+                           request=f"{leg.xfer}~{request.request_id}")
             return None
         req = Req(request.request_id, leg, request, leg.attempt,
                   preemptions=getattr(request, "num_preemptions", 0))
@@ -444,11 +597,13 @@ class SchedulerHalf:
             return 0, False
         n_prompt = int(request.num_prompt_tokens)
         if req.role == "decode":
+            if not req.blocks:
+                req.local_hit = num_computed
             if req.expected or req.attempt != req.leg.attempt or req.leg.source is None:
                 return 0, False  # no transfer, or the one transfer was tried already
             have = n_prompt if req.leg.pull is None else min(n_prompt, req.leg.pull.num_tokens)
-            count = have - num_computed
-            return (count, True) if count > 0 else (0, False)
+            window = rules.decode_load(n_prompt, have, num_computed, self.layout.block_size)
+            return (window.num_tokens, True) if window is not None else (0, False)
         if req.leg.reuse is None or req.started or num_computed > 0:
             # (a local prefix hit would need the read to start past it; prefix caching is off)
             return 0, False
@@ -459,7 +614,7 @@ class SchedulerHalf:
             prompt = list(request.prompt_token_ids or [])
             cmd = pcore.DecideReuse(
                 req.leg.xfer, req.attempt, handle.core_handle(),
-                block_hashes(prompt, handle.block_size, handle.hash_salt), n_prompt,
+                block_hashes(prompt, handle.block_size, self.salt_of(request)), n_prompt,
                 num_computed, threshold=self.cfg.kv_recompute_threshold,
                 estimated_read=self.cfg.reuse_read_estimate)
             try:
@@ -497,17 +652,20 @@ class SchedulerHalf:
             ev = next((e for e in decision if isinstance(e, ReuseDecided)), None)
             handle = req.leg.reuse
             if ev is not None and ev.outcome == "read" and external > 0 and handle is not None:
-                bs = self.layout.block_size
-                n_blocks = -(-external // bs)
-                reuse_blocks, new = new[:n_blocks], new[n_blocks:]
-                self._handle("prefill", pcore.Allocate(xfer, attempt, tuple(reuse_blocks),
-                                                       "reuse"), now)
+                reuse_blocks, rest = rules.reuse_split(new, external, self.layout.block_size)
+                new = list(rest)
+                self._handle("prefill", pcore.Allocate(xfer, attempt, reuse_blocks, "reuse"),
+                             now)
                 req.blocks += reuse_blocks
                 self.retained_of[(xfer, attempt)] = handle
                 req.vllm = "waiting_kv"
-                self._handle("prefill", pcore.StartReuseRead(
-                    xfer, attempt, handle.core_handle(), handle.blocks[:n_blocks],
+                started = self._handle("prefill", pcore.StartReuseRead(
+                    xfer, attempt, handle.core_handle(), handle.blocks[:len(reuse_blocks)],
                     handle.layout, external), now)
+                if not started:  # refused: vLLM recomputes those tokens (same attempt)
+                    self.pending.finished_recving.add(req.rid)
+                    self.pending.failed_recving.add(req.rid)
+                    req.vllm = "running"
         if new:
             self._handle("prefill", pcore.Allocate(xfer, attempt, tuple(new)), now)
             req.blocks += new
@@ -521,32 +679,48 @@ class SchedulerHalf:
     def _decode_alloc(self, req: Req, blocks: list[int], new: list[int], external: int,
                       now: float) -> None:
         xfer, leg = req.leg.xfer, req.leg
+        bs = self.layout.block_size
+        if not req.blocks and not req.shared and req.local_hit:
+            # the blocks of vLLM's local prefix hit may be shared with other requests: they
+            # are neither loaded into nor counted as this request's own
+            req.shared = list(blocks[:req.local_hit // bs])
+            new = [b for b in new if b not in set(req.shared)]
         if external > 0 and not req.expected and leg.source is not None:
             req.expected = True
-            if req.request.kv_transfer_params is not None:
-                req.request.kv_transfer_params["do_remote_prefill"] = False
-            src_layout = leg.pull.layout if leg.pull else self.layout
-            cmd = dcore.ExpectKV(
-                xfer, req.attempt, leg.source.instance, tuple(blocks), external, src_layout,
-                mode=leg.mode, src_blocks=leg.pull.blocks if leg.pull else (),
-                timeout=self.cfg.kv_wait_timeout,
-                src_expires_at=leg.pull.expires_at if leg.pull else None,
-                read_margin=0.5)
             req.vllm = "waiting_kv"
-            req.blocks = list(blocks)
-            events = self._handle("decode", cmd, now)
-            if not events:  # the core refused (peer error): let vLLM compute the prompt
-                self.pending.finished_recving.add(req.rid)
-                self.pending.failed_recving.add(req.rid)
-                req.vllm = "running"
-                self.by_key.pop(req.key, None)
-                req.attempt += 1
-                req.blocks = []
-                self.by_key[req.key] = req
+            window = rules.LoadWindow(len(req.shared), external)
+            dst = window.dst(blocks)
+            try:
+                if req.request.kv_transfer_params is not None:
+                    req.request.kv_transfer_params["do_remote_prefill"] = False
+                src_layout = leg.pull.layout if leg.pull else self.layout
+                cmd = dcore.ExpectKV(
+                    xfer, req.attempt, leg.source.instance, dst, external, src_layout,
+                    mode=leg.mode, src_blocks=window.src(leg.pull.blocks) if leg.pull else (),
+                    timeout=self.cfg.kv_wait_timeout,
+                    src_expires_at=leg.pull.expires_at if leg.pull else None,
+                    read_margin=0.5)
+                req.blocks = list(dst)
+                events = self._handle("decode", cmd, now)
+            except Exception as exc:  # noqa: BLE001 - the wall: compute the prompt instead
+                self.fault("cannot expect KV", exc, request=xfer, attempt=req.attempt, at=now)
+                events = []
+            if not events:  # the core refused: let vLLM compute the prompt
+                self.local_fallback(req)
             return
         if new:
             self._handle("decode", dcore.Allocate(xfer, req.attempt, tuple(new)), now)
             req.blocks += new
+
+    def local_fallback(self, req: Req) -> None:
+        """The request's KV will not come: vLLM computes the prompt itself (as attempt n+1)."""
+        self.pending.finished_recving.add(req.rid)
+        self.pending.failed_recving.add(req.rid)
+        req.vllm = "running"
+        self.by_key.pop(req.key, None)
+        req.attempt = rules.next_attempt(req.attempt)
+        req.blocks = []
+        self.by_key[req.key] = req
 
     def _sync_preemption(self, req: Req, now: float) -> None:
         n = int(getattr(req.request, "num_preemptions", 0) or 0)
@@ -562,15 +736,57 @@ class SchedulerHalf:
     @_locked
     def build_connector_meta(self) -> KvplaneMeta:
         now = self.clock()
-        if now - self._last_tick >= _TICK_EVERY:
-            self._last_tick = now
-            for req in list(self.reqs.values()):
-                if req.vllm in ("running", "waiting_kv"):
-                    self._sync_preemption(req, now)
-            self._handle("prefill", pcore.Tick(), now)
-            self._handle("decode", dcore.Tick(), now)
+        try:
+            if now - self._last_tick >= _TICK_EVERY:
+                self._last_tick = now
+                for req in list(self.reqs.values()):
+                    if req.vllm in ("running", "waiting_kv"):
+                        self._sync_preemption(req, now)
+                self._handle("prefill", pcore.Tick(), now)
+                self._handle("decode", dcore.Tick(), now)
+        finally:  # what was decided so far still reaches the workers
+            meta = self.take_pending()
+        return meta
+
+    def take_pending(self) -> KvplaneMeta:
         meta, self.pending = self.pending, KvplaneMeta()
         return meta
+
+    # ---- the wall: what a hook that raised answers (see connector.py) -------------------------
+
+    @_locked
+    def hook_failed(self, hook: str, exc: BaseException, request: Any) -> None:
+        rid = getattr(request, "request_id", None)
+        req = self.reqs.get(rid) if isinstance(rid, str) else None
+        self.fault(f"{hook} failed", exc, request=req.leg.xfer if req else rid,
+                   attempt=req.attempt if req else 0)
+        if req is not None and hook == "get_num_new_matched_tokens" and not req.blocks:
+            self._forget(req)  # nothing ordered yet: the request goes on as a plain one
+
+    @_locked
+    def alloc_failed(self, request: Any, num_external_tokens: int) -> None:
+        """update_state_after_alloc raised: if vLLM now waits for a load we never ordered,
+        tell it the load failed (it recomputes); a load already ordered runs its course."""
+        req = self.reqs.get(request.request_id)
+        if num_external_tokens and (req is None or req.vllm != "waiting_kv"):
+            self.pending.finished_recving.add(request.request_id)
+            self.pending.failed_recving.add(request.request_id)
+            if req is not None:
+                req.expected = True  # no second try for this request
+
+    @_locked
+    def finish_failed(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """request_finished raised: keep the blocks while anything may still touch them."""
+        req = self.reqs.get(request.request_id)
+        if req is None:
+            return False, None
+        if req.vllm == "waiting_kv":
+            req.vllm = "finished_waiting_kv"  # vLLM keeps them until finished_recving
+            return False, None
+        if req.vllm in ("delay_send", "finished_waiting_kv"):
+            return True, None  # the core holds them: freed when it says so
+        self._forget(req)
+        return False, None
 
     @_locked
     def has_pending_work(self) -> bool:
@@ -582,6 +798,7 @@ class SchedulerHalf:
                          ) -> tuple[bool, dict[str, Any] | None]:
         req = self.reqs.get(request.request_id)
         if req is None:
+            self._unclaimed.discard(request.request_id)
             return False, None
         now = self.clock()
         ok = getattr(request.status, "name", str(request.status)) in _OK_FINISH
@@ -593,7 +810,8 @@ class SchedulerHalf:
                    else dcore.Abort(xfer, req.attempt))
             self._handle(role, cmd, now)
             return False, None  # vLLM keeps the blocks until we report finished_recving
-        new = [b for b in block_ids if b not in set(req.blocks)]
+        known = set(req.blocks) | set(req.shared)
+        new = [b for b in block_ids if b not in known]
         if req.role == "prefill":
             return self._prefill_finished(req, list(block_ids), new, ok, now)
         return self._decode_finished(req, list(block_ids), new, ok, now)
@@ -624,7 +842,10 @@ class SchedulerHalf:
             return True, None
         handle = SourceHandle(self.me, xfer, attempt, tuple(blocks), num_tokens, grant.lease,
                               grant.expires_at, self.layout)
-        return True, prefill_response(handle, "pull")
+        params = prefill_response(handle, "pull")
+        if self.key:  # signed by its issuer: decode reads only blocks prefill named
+            params["kvplane"]["pull"] = signing.sign(self.key, params["kvplane"]["pull"])
+        return True, params
 
     def _decode_finished(self, req: Req, blocks: list[int], new: list[int], ok: bool,
                          now: float) -> tuple[bool, dict[str, Any] | None]:
@@ -637,21 +858,21 @@ class SchedulerHalf:
         if new and phase in ("absent", "decoding"):
             self._handle("decode", dcore.Allocate(xfer, attempt, tuple(new)), now)
             req.blocks += new
-        retain = req.leg.retain if req.leg.retain is not None else self.cfg.bidirectional_kv_xfer
+        retain = rules.retain_decision(req.leg.retain, self.cfg.bidirectional_kv_xfer,
+                                       bool(blocks))
         if self.decode.phase(xfer, attempt) != "decoding":
             self._forget(req)
             return False, None
-        if not retain or not blocks:
+        if not retain:
             self._handle("decode", dcore.Finish(xfer, attempt), now)
             self._forget(req)
             return False, None
         num_tokens = int(req.request.num_computed_tokens)
         tokens = list(req.request.all_token_ids)[:num_tokens]
         bs = self.layout.block_size
-        hashes = block_hashes(tokens, bs, self.cfg.hash_salt)
-        ttl = self.cfg.decoder_kv_blocks_ttl
-        if req.leg.retain_ttl is not None:
-            ttl = min(ttl, max(req.leg.retain_ttl, 0.001))
+        salt = self.salt_of(req.request)
+        hashes = block_hashes(tokens, bs, salt)
+        ttl = rules.retain_ttl(self.cfg.decoder_kv_blocks_ttl, req.leg.retain_ttl)
         lease = f"{xfer}#{attempt}/retained"
         req.vllm = "delay_send"
         renewable = self.cfg.lease_renewable
@@ -662,10 +883,22 @@ class SchedulerHalf:
             self._forget(req)
             return False, None
         retained = Retained(self.me, xfer, attempt, lease, tuple(blocks), num_tokens, bs,
-                            hashes, grant.expires_at, renewable, self.layout, self.cfg.hash_salt)
+                            hashes, grant.expires_at, renewable, self.layout, salt)
         self.published[lease] = retained
         self.side_channel.set(f"retained/{xfer}", json.dumps(retained.to_dict()).encode())
         return True, decode_response(retained)
+
+    def salt_of(self, request: Any) -> str:
+        """The block-hash salt of a request: model, LoRA adapter, cache_salt, multimodal
+        inputs (never the handle's word for it)."""
+        lora = getattr(request, "lora_request", None)
+        mm = [str(getattr(f, "identifier", "") or getattr(f, "mm_hash", "") or "")
+              for f in (getattr(request, "mm_features", None) or [])]
+        salt = getattr(request, "cache_salt", None)
+        return rules.reuse_salt(self.cfg.hash_salt, model=self.model,
+                                lora=getattr(lora, "lora_name", None) if lora else None,
+                                cache_salt=salt if isinstance(salt, str) else None,
+                                mm_hashes=mm)
 
     # ---- facts from the workers -----------------------------------------------------------------
 
@@ -689,6 +922,7 @@ class SchedulerHalf:
                 self._handle("prefill", pcore.TransferDone(xfer, attempt, fact.ok, fact.reason),
                              fact.at)
                 self.decode_of.pop((xfer, attempt), None)
+                self.skip_of.pop((xfer, attempt), None)
         elif fact.kind == "notify_done" and not fact.ok:
             logger.warning("kvplane %s: %s notification for %s failed: %s", self.me.instance,
                            fact.purpose, xfer, fact.reason)
@@ -700,14 +934,27 @@ class SchedulerHalf:
 
     def _on_notif(self, fact: Fact) -> None:
         body, now = fact.body, fact.at
+        if self.key:
+            try:
+                signing.verify(self.key, body)
+                if body.get("kind") != fact.notif:
+                    raise signing.SignatureError("signed for another kind of notification")
+            except signing.SignatureError as exc:
+                self.fault(f"{fact.notif} notification refused", exc,
+                           request=f"{fact.xfer}~notif", attempt=fact.attempt, at=now)
+                return
         try:
             xfer, attempt = str(body["xfer"]), int(body["attempt"])
             if fact.notif == "REG":
                 peer = Endpoint.from_dict(body["decode"])
                 deadline = body.get("deadline")
+                blocks = tuple(int(b) for b in body["blocks"])
+                skip = int(body.get("skip", 0))
+                if not 0 <= skip < len(blocks):
+                    raise PeerError(f"skip {skip} does not fit {len(blocks)} blocks")
                 self.decode_of.setdefault((xfer, attempt), peer)
-                cmd = pcore.Register(xfer, attempt, peer.instance,
-                                     tuple(int(b) for b in body["blocks"]),
+                self.skip_of.setdefault((xfer, attempt), skip)
+                cmd = pcore.Register(xfer, attempt, peer.instance, blocks,
                                      layout_from_dict(body["layout"]),
                                      None if deadline is None else float(deadline))
                 if not self._handle("prefill", cmd, now):

@@ -302,6 +302,9 @@ class Order:
     notify: bytes = b""
     deadline: float = 0.0  # wall clock; the transfer fails if not done by then
     purpose: str = ""  # "pull", "reuse", "push", "register", "fail"
+    # read: JSON {"kind", "handle", "reader"} sent as `pin/...` to the source's side channel
+    # before the READ (the source's lease must be alive and is pinned) and `unpin/...` after
+    pin: str = ""
 
 
 @dataclass(slots=True)

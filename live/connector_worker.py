@@ -9,9 +9,15 @@ How it works:
 - The handshake (`KvplaneHandshake`: the transport's `local_info()` plus the block geometry)
   goes to the scheduler process through vLLM (`get_handshake_metadata`), which serves it on the
   side channel.
-- One daemon thread, `kvplane-xfer`, owns the transport: it fetches a peer's handshake from the
-  peer's side channel the first time it needs it, turns block runs into byte runs, posts READs
-  and WRITEs, polls them, sends notifications, and drains incoming notifications. The engine
+- One daemon thread, `kvplane-xfer`, owns the transport: it turns block runs into byte runs,
+  posts READs and WRITEs, polls them, sends notifications, and drains incoming notifications.
+  A peer's handshake is fetched from the peer's side channel by a separate small pool
+  (`kvplane-handshake`) the first time an order needs that peer; the order waits (with its
+  deadline) while other peers' transfers go on, so an unreachable peer delays only the orders
+  addressed to it, never another tenant's transfer.
+- A READ of a peer's leased blocks (pull hold, retained KV) first pins the lease on the peer's
+  side channel (`pin/`, on the same pool): a lease that is gone or would expire before the READ
+  ends refuses, and the READ fails instead of reading freed blocks; `unpin/` follows the READ. The engine
   thread only hands it orders and takes back facts through queues, so preparing descriptors,
   handshakes and waiting never happen on the engine loop (decode's loop in push mode only
   queues a registration order).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import concurrent.futures as cf
 import json
 import logging
 import math
@@ -45,7 +52,7 @@ from kvplane.live.connector_wire import (
     decode_notif,
     fact_to_bytes,
 )
-from kvplane.live.sidechannel import FactSender, SideChannelError, fetch, rank_key
+from kvplane.live.sidechannel import FactSender, fetch, rank_key
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +244,11 @@ class TransferThread:
         self.facts: collections.deque[Fact] = collections.deque()
         self.stats: collections.deque[tuple[str, bool, int, int, float]] = collections.deque()
         self._peers: dict[tuple[str, int], tuple[str, Geometry]] = {}
+        # handshakes being fetched off this thread, and the orders waiting for them
+        self._fetching: dict[tuple[str, int], cf.Future[bytes]] = {}
+        self._waiting: dict[tuple[str, int], list[Order]] = {}
+        self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="kvplane-handshake")
+        self._pinning: list[tuple[cf.Future[bytes], Order]] = []
         self._inflight: list[_InFlight] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvplane-xfer-{name}",
@@ -249,6 +261,7 @@ class TransferThread:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.sender is not None:
             self.sender.close()
 
@@ -268,6 +281,8 @@ class TransferThread:
             except Exception:
                 logger.exception("kvplane: transfer thread failed to start an order")
             try:
+                busy |= self._handshakes()
+                busy |= self._pins()
                 busy |= self._poll()
                 busy |= self._drain()
             except Exception:
@@ -275,6 +290,9 @@ class TransferThread:
             if busy or self._inflight or getattr(self.transport, "busy", False):  # staging
                 idle = 0.0
                 time.sleep(0)
+            elif self._waiting or self._pinning:
+                idle = 0.0
+                self._stop.wait(0.001)
             else:
                 idle = min(0.002, max(idle * 2, 0.0001))
                 self._stop.wait(idle)
@@ -288,31 +306,96 @@ class TransferThread:
         self.emit(Fact(kind, order.xfer, order.attempt, time.time(), ok=ok,  # type: ignore[arg-type]
                        reason=reason, purpose=order.purpose, rank=self.rank, **kw))
 
-    def _peer(self, ep: Endpoint) -> tuple[str, Geometry]:
-        key = (ep.host, ep.port)
-        if key not in self._peers:
-            info, geom = decode_rank_payload(fetch(ep.host, ep.port, rank_key(self.rank)))
-            name = self.transport.add_peer(info)
+    def _handshakes(self) -> bool:
+        """Orders waiting for a handshake: failed past their deadline, started once it came."""
+        if not self._waiting:
+            return False
+        busy, now = False, time.time()
+        for key in list(self._waiting):
+            orders = self._waiting[key]
+            late = [o for o in orders if o.deadline and now > o.deadline]
+            for o in late:
+                busy = True
+                self._fact(o, "notify_done" if o.kind == "notify" else f"{o.kind}_done", False,
+                           "deadline passed waiting for the peer's handshake")
+            orders = [o for o in orders if o not in late]
+            fut = self._fetching.get(key)
+            if fut is None or not fut.done():
+                if orders:
+                    self._waiting[key] = orders
+                else:
+                    self._waiting.pop(key, None)
+                continue
+            busy = True
+            del self._fetching[key]
+            self._waiting.pop(key, None)
+            try:
+                info, geom = decode_rank_payload(fut.result())
+                name = self.transport.add_peer(info)
+            except Exception as exc:  # noqa: BLE001 - unreachable, nonsense or a NIXL error
+                for o in orders:
+                    self._fact(o, "notify_done" if o.kind == "notify" else f"{o.kind}_done",
+                               False, f"handshake with {o.peer.instance} failed: {exc}")
+                continue
             self._peers[key] = (name, geom)
-            logger.info("kvplane: connected to %s (%s:%d) as NIXL peer %s", ep.instance,
-                        ep.host, ep.port, name)
-        return self._peers[key]
+            logger.info("kvplane: connected to %s:%d as NIXL peer %s", key[0], key[1], name)
+            for o in orders:
+                self._start(o)
+        return busy
 
     def _forget_peer(self, ep: Endpoint) -> None:
         self._peers.pop((ep.host, ep.port), None)
 
-    def _start(self, order: Order) -> None:
+    def _pins(self) -> bool:
+        """READs waiting for their pin: posted once pinned, failed if refused."""
+        if not self._pinning:
+            return False
+        busy, still = False, []
+        for fut, order in self._pinning:
+            if not fut.done():
+                still.append((fut, order))
+                continue
+            busy = True
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - refused, unreachable or nonsense
+                self._fact(order, "read_done", False,
+                           f"the source's lease is not alive (pin refused): {exc}")
+                continue
+            self._start(order, pinned=True)
+        self._pinning = still
+        return busy
+
+    def _ask_pin(self, order: Order) -> bytes:
+        body = json.loads(order.pin)
+        body["duration"] = max(0.0, order.deadline - time.time()) if order.deadline else 1.0
+        return fetch(order.peer.host, order.peer.port, "pin/" + json.dumps(body))
+
+    def _unpin(self, order: Order) -> None:
+        def go() -> None:
+            try:
+                fetch(order.peer.host, order.peer.port, "unpin/" + order.pin)
+            except Exception as exc:  # noqa: BLE001 - the pin then ends with the lease
+                logger.warning("kvplane: unpin after the READ of %s failed: %s", order.xfer, exc)
+
+        self._pool.submit(go)
+
+    def _start(self, order: Order, pinned: bool = False) -> None:
         done = "notify_done" if order.kind == "notify" else f"{order.kind}_done"
         if order.deadline and time.time() > order.deadline:
             self._fact(order, done, False, "deadline passed before the transfer started")
             return
-        try:
-            peer, geom = self._peer(order.peer)
-        except (SideChannelError, ValueError, KeyError) as exc:
-            self._fact(order, done, False, f"handshake with {order.peer.instance} failed: {exc}")
+        key = (order.peer.host, order.peer.port)
+        if key not in self._peers:
+            # fetched off this thread; the order waits for it (see _handshakes)
+            self._waiting.setdefault(key, []).append(order)
+            if key not in self._fetching:
+                self._fetching[key] = self._pool.submit(fetch, key[0], key[1],
+                                                        rank_key(self.rank))
             return
-        except Exception as exc:  # noqa: BLE001 - a NIXL error adding the peer
-            self._fact(order, done, False, f"cannot add peer {order.peer.instance}: {exc!r}")
+        peer, geom = self._peers[key]
+        if order.kind == "read" and order.pin and not pinned:
+            self._pinning.append((self._pool.submit(self._ask_pin, order), order))
             return
         if order.kind == "notify":
             res = self.transport.send_notification(peer, order.notify)
@@ -356,6 +439,8 @@ class TransferThread:
         seconds = time.perf_counter() - f.started
         order = f.order
         reason = "" if ok else (res.reason if res is not None else "no result")
+        if order.kind == "read" and order.pin:
+            self._unpin(order)
         if ok and order.kind == "read" and order.notify:
             sent = self.transport.send_notification(f.peer, order.notify)
             if not sent.ok:

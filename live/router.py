@@ -5,9 +5,18 @@ What it serves: OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/comp
 (Prometheus). Modes: `pull`, `push`, `bidirectional` (SPEC.md sections 1-3). The legs it sends
 and the answers it reads are `router_upstream`'s (the connector contract).
 
+This file follows one request: admit (check and refuse before any engine works on it,
+`kvplane.core.router_rules`), choose, prefill leg, decode leg, relay, end. First contact with
+the instances is `router_contacts`, the conversation table and its leases `router_leases`,
+refusals and the reading of an instance's answer `router_errors`.
+
 Rules it keeps:
 - Only the router writes `kv_transfer_params`: a client body that carries the field is refused
   with 400. Decode's answers lose the field before they reach the client.
+- What P/D cannot serve (batch prompts, beam search, `best_of` > 1, greedy `n` > 1,
+  `prompt_logprobs`, bad `max_tokens`/`min_tokens`) is refused before the prefill leg; the
+  prefill leg is the request cut to one token without output-shaping fields; when decode
+  refuses its leg (4xx) in pull, prefill's hold is given back at once (`unhold/`).
 - Pull and bidirectional: prefill's one-token leg first, then decode's leg with the metadata
   prefill returned. Push: both legs at once, one `X-Request-Id`; if prefill fails, decode's
   leg is cut and the client gets the reason.
@@ -45,7 +54,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -59,16 +68,18 @@ from kvplane.core.events import (
     RequestFinished,
     RequestRouted,
     SessionDropped,
-    SessionMissed,
     SessionRenewed,
     SessionStored,
     SessionTaken,
 )
 from kvplane.core.reuse import RetainedHandle
+from kvplane.core.router_rules import check_request, put_back, retry_prefill_without_reuse
 from kvplane.core.routing import Load, Policy, choose
-from kvplane.core.sessions import Drop, Expire, Renew, SessionKey, SessionTable, Store, Take
+from kvplane.core.sessions import SessionKey, SessionTable
 
 from .router_config import Role, RouterConfig, Upstream
+from .router_contacts import Contact, ContactsMixin
+from .router_errors import Refusal, answer, error_body, refusal_of
 from .router_handles import (
     HandleError,
     core_handle,
@@ -77,25 +88,22 @@ from .router_handles import (
     valid_name,
     with_expiry,
 )
+from .router_leases import LeasesMixin
 from .router_metrics import CONTENT_TYPE, RouterMetrics
 from .router_proxy import SSEReader, completion_tokens, sse, strip_params
 from .router_upstream import (
     FetchHandle,
     Heartbeat,
-    Identity,
     Release,
-    SettingsError,
     UpstreamError,
     decode_body,
     describe,
-    fetch_identity,
     kvplane_params,
-    mismatch,
-    pair_mismatch,
     prefill_body,
     side_fetch_handle,
     side_heartbeat,
     side_release,
+    side_unhold,
 )
 
 log = logging.getLogger("kvplane.router")
@@ -115,55 +123,6 @@ class RecorderLike(Protocol):
     def record(self, event: Event) -> None: ...
 
     def flush(self) -> None: ...
-
-
-@dataclass(slots=True, eq=False)
-class Refusal(Exception):
-    """An answer the router gives instead of routing: status and an OpenAI-shaped error."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    code: str | None = None
-    param: str | None = None
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def error_body(
-    message: str, type_: str, code: str | None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _refusal_of(exc: UpstreamError) -> Refusal:
-    status = exc.status
-    if status < 500:  # the engine judged the client's request: pass its words on
-        msg = exc.reason
-        if isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict):
-            msg = str(exc.body["error"].get("message", msg))
-        return Refusal(status, msg, "invalid_request_error", "upstream_rejected")
-    code = {
-        "timeout": "upstream_timeout",
-        "down": "upstream_unavailable",
-        "status": "upstream_error",
-        "protocol": "upstream_protocol_error",
-    }[exc.kind]
-    return Refusal(status, exc.reason, "server_error", code)
-
-
-@dataclass(slots=True)
-class Contact:
-    """What the router learned at first contact with one instance."""
-
-    state: Literal["unknown", "ok", "down", "mismatch"] = "unknown"
-    reason: str = ""
-    timeout: bool = False
-    identity: Identity | None = None
-    models: tuple[str, ...] = ()
-    checked_at: float = float("-inf")  # monotonic
-    lock: asyncio.Lock | None = None
 
 
 @dataclass(slots=True)
@@ -196,7 +155,7 @@ class Turn:
         return (self.tenant, self.conversation) if self.conversation is not None else None
 
 
-class Router:
+class Router(ContactsMixin, LeasesMixin):
     """The router's state and handlers; `app()` is the aiohttp application serving them."""
 
     def __init__(
@@ -372,117 +331,6 @@ class Router:
         self._session_gauges()
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    # --- first contact ---------------------------------------------------------------------------
-
-    async def contact_all(self) -> None:
-        await asyncio.gather(*(self.contact(u) for u in self.config.prefill + self.config.decode))
-
-    async def contact(self, up: Upstream) -> Contact:
-        """Learn an instance's models and kvplane identity, once (failures: again later)."""
-        c = self.contacts[up.id]
-        if self._settled(c):
-            return c
-        if c.lock is None:
-            c.lock = asyncio.Lock()
-        async with c.lock:
-            if not self._settled(c):  # another request may have probed while we waited
-                await self._probe(up, c)
-        return c
-
-    def _settled(self, c: Contact) -> bool:
-        """Known good, or known bad and not yet due for another look."""
-        if c.state == "ok":
-            return True
-        age = time.monotonic() - c.checked_at
-        return c.state != "unknown" and age < self.config.leases.recheck_after
-
-    async def _probe(self, up: Upstream, c: Contact) -> None:
-        limit = self.config.timeouts.control
-        t = time.monotonic()
-        timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.config.timeouts.connect)
-        mode = self.config.mode
-        try:
-            try:
-                async with self.session.get(
-                    up.url + "/v1/models", headers=self._upstream_auth(), timeout=timeout
-                ) as resp:
-                    models = await resp.json(content_type=None) if resp.status == 200 else None
-            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-                raise describe(exc, up, "models probe", limit) from None
-            data = models.get("data") if isinstance(models, dict) else None
-            c.models = tuple(
-                str(m["id"]) for m in data or () if isinstance(m, dict) and "id" in m
-            )
-            if self.config.check_settings:
-                try:
-                    ident = await fetch_identity(up, limit)
-                except SettingsError as exc:
-                    return self._set_contact(
-                        c, "mismatch",
-                        f"refusing to route to {up.role} instance {up.id} ({up.url}): its "
-                        f"kvplane identity is unreadable ({exc}); router mode {mode}",
-                    )
-                if ident is None:
-                    host, port = up.side_channel
-                    return self._set_contact(
-                        c, "mismatch",
-                        f"refusing to route to {up.role} instance {up.id} ({up.url}): its side "
-                        f"channel {host}:{port} has no kvplane identity (is KvplaneConnector "
-                        f"loaded there?); router mode {mode}",
-                    )
-                c.identity = ident
-                problem = mismatch(mode, up, ident)
-                if problem is not None:
-                    return self._set_contact(c, "mismatch", problem)
-            self._set_contact(c, "ok", "")
-        except UpstreamError as err:
-            self._set_contact(c, "down", err.reason, timeout=err.kind == "timeout")
-        finally:
-            self.metrics.upstream_latency.labels(up.role, up.id, "control").observe(
-                time.monotonic() - t
-            )
-
-    def _set_contact(
-        self,
-        c: Contact,
-        state: Literal["ok", "down", "mismatch"],
-        reason: str,
-        *,
-        timeout: bool = False,
-    ) -> None:
-        c.state, c.reason, c.timeout, c.checked_at = state, reason, timeout, time.monotonic()
-        if state != "ok" and reason:
-            log.warning("%s", reason)
-
-    def _mark_down(self, instance: str, err: UpstreamError) -> None:
-        """A leg could not reach the instance: skip it until the next recheck (slow is not down)."""
-        if err.kind == "down" and instance in self.contacts:
-            self._set_contact(self.contacts[instance], "down", err.reason)
-
-    def known_models(self) -> tuple[str, ...]:
-        if self.config.models:
-            return self.config.models
-        seen: dict[str, None] = {}
-        for c in self.contacts.values():
-            for m in c.models:
-                seen.setdefault(m, None)
-        return tuple(seen)
-
-    def _usable(self, role: Role) -> list[Upstream]:
-        ups = self.config.prefill if role == "prefill" else self.config.decode
-        ok = [u for u in ups if self.contacts[u.id].state == "ok"]
-        if ok:
-            return ok
-        cs = [self.contacts[u.id] for u in ups]
-        reasons = "; ".join(c.reason or f"{u.id}: not contacted" for u, c in zip(ups, cs))
-        if any(c.state == "mismatch" for c in cs):
-            raise Refusal(502, reasons, "server_error", "kv_mode_mismatch")
-        if all(c.timeout for c in cs):
-            raise Refusal(504, f"no {role} instance answered: {reasons}", "server_error",
-                          "upstream_timeout")
-        raise Refusal(502, f"no {role} instance is reachable: {reasons}", "server_error",
-                      "upstream_unavailable")
-
     # --- completions -----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -508,7 +356,7 @@ class Router:
             return self._error_response(r, endpoint, {"X-Request-Id": turn.id})
         except UpstreamError as exc:
             self._mark_down(exc.instance, exc)
-            return self._error_response(_refusal_of(exc), endpoint, {"X-Request-Id": turn.id})
+            return self._error_response(refusal_of(exc), endpoint, {"X-Request-Id": turn.id})
         finally:
             self._end_turn(turn, ok=ok)
 
@@ -568,6 +416,10 @@ class Router:
         if model is not None and known and model not in known:
             raise Refusal(404, f"The model `{model}` does not exist (served: "
                           f"{', '.join(known)})", code="model_not_found", param="model")
+        lens = [c.max_model_len for c in self.contacts.values() if c.max_model_len]
+        problem = check_request(body, chat=chat, max_model_len=min(lens) if lens else None)
+        if problem is not None:  # before any engine works on it
+            raise Refusal(400, problem.message, code=problem.code, param=problem.param)
         turn = Turn(
             id=f"kvp-{uuid.uuid4().hex}",
             endpoint="chat" if chat else "completions",
@@ -621,22 +473,6 @@ class Router:
         if self.config.mode == "push":
             return await self._push(request, turn)
         return await self._pull(request, turn)
-
-    def _pairable(self, prefills: list[Upstream], decode: Upstream) -> list[Upstream]:
-        d = self.contacts[decode.id].identity
-        if d is None:
-            return prefills
-        fits, reasons = [], []
-        for p in prefills:
-            ident = self.contacts[p.id].identity
-            problem = pair_mismatch(p, ident, decode, d) if ident is not None else None
-            if problem is None:
-                fits.append(p)
-            else:
-                reasons.append(problem)
-        if not fits:
-            raise Refusal(502, "; ".join(reasons), "server_error", "kv_layout_mismatch")
-        return fits
 
     def _choose(self, role: Role, ups: list[Upstream], affinity: str | None) -> Upstream:
         loads = [Load(u.id, running=self.inflight[u.id]) for u in ups]
@@ -698,7 +534,7 @@ class Router:
             self.metrics.upstream_latency.labels("prefill", up.id, "prefill").observe(
                 time.monotonic() - t
             )
-        return _answer(up, "prefill leg", status, text)
+        return answer(up, "prefill leg", status, text)
 
     async def _reuse_wire(self, turn: Turn) -> dict[str, Any] | None:
         """The signed handle for prefill's `reuse`, or None (recorded) if it cannot be had."""
@@ -727,7 +563,7 @@ class Router:
         try:
             answer = await self._prefill_leg(turn, reuse)
         except UpstreamError as exc:
-            if reuse is None or exc.kind not in ("status", "protocol") or exc.status < 500:
+            if not retry_prefill_without_reuse(reuse is not None, exc.kind, exc.status):
                 raise
             self._reuse_failed(turn, "prefill_error", f"prefill failed with the handle: {exc}")
             turn.attempt += 1
@@ -781,7 +617,26 @@ class Router:
             )
         )
         self.metrics.transfers.labels(self.config.mode, "P->D").inc()
-        return await self._decode_leg(request, turn, pulled=params, source=None, guard=None)
+        try:
+            return await self._decode_leg(request, turn, pulled=params, source=None,
+                                          guard=None)
+        except UpstreamError as exc:
+            if exc.kind == "status" and 400 <= exc.status < 500:
+                # decode refused the leg before its engine saw it: nothing will read
+                # prefill's hold, so give it back now rather than after its lease
+                await self._unhold(turn, pull)
+            raise
+
+    async def _unhold(self, turn: Turn, pull: Mapping[str, Any]) -> None:
+        up = turn.prefill
+        assert up is not None
+        try:
+            released = await side_unhold(up, pull, self.config.timeouts.control)
+        except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
+            log.warning("giving back %s's hold on %s failed: %s", turn.id, up.id, exc)
+            return
+        log.info("decode refused %s: prefill %s %s its hold", turn.id, up.id,
+                 "released" if released else "did not release")
 
     async def _push(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         assert turn.prefill is not None
@@ -881,7 +736,7 @@ class Router:
                     text = await self._race(resp.text(), guard)
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     raise describe(exc, up, "decode leg", to.decode_first) from None
-                return self._reply_whole(turn, _answer(up, "decode leg", resp.status, text),
+                return self._reply_whole(turn, answer(up, "decode leg", resp.status, text),
                                          retain)
             return await self._relay(request, turn, resp, guard, retain)
         finally:
@@ -976,25 +831,6 @@ class Router:
             await client.write_eof()
         return client
 
-    # --- the conversation table ------------------------------------------------------------------
-
-    def _take(self, turn: Turn) -> None:
-        assert turn.key is not None
-        tenant, conversation = turn.key
-        held = self.table.handle_of(tenant, conversation)
-        events = self.table.handle(Take(tenant, conversation, turn.id), self.clock())
-        self._record_all(events)
-        for ev in events:
-            if isinstance(ev, SessionTaken):
-                turn.taken = held
-                turn.taken_wire = self.wires.pop(turn.key, None)
-                self.metrics.reuse_hits.inc()
-            elif isinstance(ev, SessionMissed):
-                self.metrics.reuse_misses.labels(ev.reason).inc()
-            elif isinstance(ev, SessionDropped):
-                self.metrics.leases_dropped.labels(ev.reason).inc()
-                self.wires.pop(turn.key, None)
-
     def _end_turn(self, turn: Turn, *, ok: bool) -> None:
         """Record the outcome; store decode's new handle, or put the taken one back."""
         e2e = time.monotonic() - turn.t0
@@ -1041,124 +877,11 @@ class Router:
         if turn.stored:
             if current is None or current.lease != taken.lease:
                 self._release_later(key, taken, turn.taken_wire, "superseded")
-        elif taken.expires_at > now and current is None:
+        elif put_back(stored_new=turn.stored, taken_expires_at=taken.expires_at, now=now,
+                      table_has_newer=current is not None):
             # nothing newer (the turn failed, or decode kept nothing): the old KV is still a
             # prefix of the conversation, so keep it for the next turn
             self._store(key, taken, turn.taken_wire, turn.id, now)
-
-    def _store(
-        self,
-        key: SessionKey,
-        h: RetainedHandle,
-        wire: dict[str, Any] | None,
-        request: str,
-        now: float,
-    ) -> None:
-        old, old_wire = self.table.handle_of(*key), self.wires.get(key)
-        events = self.table.handle(Store(key[0], key[1], h, request), now)
-        self._record_all(events)
-        if wire is not None:
-            self.wires[key] = wire
-        else:
-            self.wires.pop(key, None)
-        self.xfers[key] = request if wire is None or "xfer" not in wire else str(wire["xfer"])
-        for ev in events:
-            if isinstance(ev, SessionDropped):
-                self.metrics.leases_dropped.labels(ev.reason).inc()
-                if old is not None:
-                    self._release_later(key, old, old_wire, ev.reason)
-
-    def _release_later(
-        self, key: SessionKey, h: RetainedHandle, wire: dict[str, Any] | None, reason: str
-    ) -> None:
-        up = self.config.upstream(h.decode)
-        if up is None or wire is None:
-            return  # without decode's full handle there is nothing to sign: it will expire
-        signed = sign_wire(self.config.hmac_key, with_expiry(wire, h), key[0], key[1])
-        release = self._release
-
-        async def go() -> None:
-            try:
-                await release(up, signed, reason)
-            except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
-                log.warning("releasing lease %s on %s failed: %s", h.lease, up.id, exc)
-
-        self._spawn(go())
-
-    # --- leases ----------------------------------------------------------------------------------
-
-    async def _lease_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.leases.heartbeat_every)
-            try:
-                await self.lease_round()
-            except Exception:  # the loop must outlive one bad round
-                log.exception("lease round failed")
-
-    def _expire(self) -> None:
-        events = self.table.handle(Expire(), self.clock())
-        self._record_all(events)
-        for ev in events:
-            if isinstance(ev, SessionDropped):
-                self.metrics.leases_dropped.labels(ev.reason).inc()
-                self.wires.pop((ev.tenant, ev.conversation), None)
-
-    def active(self) -> list[tuple[SessionKey, RetainedHandle]]:
-        """Conversations with a handle whose last turn ended less than `idle_after` ago."""
-        now = time.monotonic()
-        idle = self.config.leases.idle_after
-        return [
-            (key, h)
-            for key, h in self.table.handles.items()
-            if now - self.last_turn.get(key, float("-inf")) < idle
-        ]
-
-    async def lease_round(self) -> None:
-        """Drop expired handles, then one heartbeat per active conversation's renewable lease."""
-        self._expire()
-        self._session_gauges()
-        if not self.config.leases.renewable:
-            return
-        beats = []
-        for key, h in self.active():
-            wire = self.wires.get(key)
-            if wire is not None and wire.get("renewable"):
-                beats.append(self._beat(key, h, wire))
-        await asyncio.gather(*beats)
-
-    async def _beat(self, key: SessionKey, h: RetainedHandle, wire: dict[str, Any]) -> None:
-        up = self.config.upstream(h.decode)
-        if up is None:
-            return
-        signed = sign_wire(self.config.hmac_key, with_expiry(wire, h), key[0], key[1])
-        t = time.monotonic()
-        try:
-            expires = await self._heartbeat(up, signed)
-        except (TimeoutError, UpstreamError, aiohttp.ClientError) as exc:
-            self.metrics.heartbeats.labels("failed").inc()
-            log.warning("heartbeat for lease %s on %s failed: %s", h.lease, up.id, exc)
-            return
-        finally:
-            self.metrics.upstream_latency.labels("decode", up.id, "control").observe(
-                time.monotonic() - t
-            )
-        current = self.table.handle_of(*key)
-        if current is None or current.lease != h.lease:
-            return  # a turn took or replaced it meanwhile
-        if expires is None:
-            self.metrics.heartbeats.labels("refused").inc()
-            self.metrics.leases_dropped.labels("renewal refused").inc()
-            events = self.table.handle(Drop(key[0], key[1], "renewal refused"), self.clock())
-            self.wires.pop(key, None)
-        else:
-            self.metrics.heartbeats.labels("renewed").inc()
-            events = self.table.handle(Renew(key[0], key[1], expires, h.lease), self.clock())
-        self._record_all(events)
-
-    def _session_gauges(self) -> None:
-        active = len(self.active())
-        self.metrics.sessions.labels("active").set(active)
-        self.metrics.sessions.labels("idle").set(len(self.table.handles) - active)
 
     # --- recording -------------------------------------------------------------------------------
 
@@ -1182,35 +905,6 @@ class Router:
     def _record_all(self, events: Iterable[Event]) -> None:
         for ev in events:
             self._record(ev)
-
-
-def _answer(up: Upstream, what: str, status: int, text: str) -> dict[str, Any]:
-    """An instance's JSON answer, or `UpstreamError` saying what was wrong with it."""
-    try:
-        body = json.loads(text) if text else None
-    except json.JSONDecodeError:
-        body = None
-    if status != 200:
-        detail = body.get("error") if isinstance(body, dict) else None
-        if isinstance(detail, dict):
-            msg = str(detail.get("message"))
-        elif isinstance(body, dict) and isinstance(body.get("message"), str):
-            msg = body["message"]  # vLLM's older error shape
-        else:
-            msg = text[:200] or "no body"
-        raise UpstreamError(
-            "status", up.id,
-            f"{up.role} instance {up.id} ({up.url}) answered the {what} with HTTP {status}: "
-            f"{msg}",
-            status, body,
-        )
-    if not isinstance(body, dict):
-        raise UpstreamError(
-            "protocol", up.id,
-            f"{up.role} instance {up.id} ({up.url}) answered the {what} with something that "
-            f"is not a JSON object: {text[:200]!r}",
-        )
-    return body
 
 
 # --- running it ----------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ from typing import Any, Literal
 
 import aiohttp
 
+from kvplane.core.router_rules import prefill_fields
+
 from .connector_wire import PARAMS_KEY as KEY
 from .connector_wire import WIRE_VERSION
 from .router_config import RouterMode, Upstream
@@ -50,6 +52,7 @@ from .sidechannel import IDENTITY_KEY
 RETAINED_KEY = "retained/{xfer}"
 RENEW_KEY = "renew/{handle}"
 RELEASE_KEY = "release/{handle}"
+UNHOLD_KEY = "unhold/{handle}"
 
 ErrorKind = Literal["down", "timeout", "status", "protocol"]
 
@@ -235,17 +238,6 @@ def pair_mismatch(prefill: Upstream, p: Identity, decode: Upstream, d: Identity)
 # --- legs -----------------------------------------------------------------------------------------
 
 
-def _cut_to_one_token(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
-    out = copy.deepcopy(dict(body))
-    out["max_tokens"] = 1
-    if chat and "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out.pop("stream_options", None)
-    out["n"] = 1
-    return out
-
-
 def prefill_body(
     body: Mapping[str, Any],
     *,
@@ -258,7 +250,7 @@ def prefill_body(
     conversation: str | None,
 ) -> dict[str, Any]:
     """Prefill's leg: the client's request cut to one token, with prefill's params."""
-    out = _cut_to_one_token(body, chat)
+    out = prefill_fields(body, chat=chat)
     out["kv_transfer_params"] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -387,3 +379,15 @@ async def fetch_identity(up: Upstream, timeout: float) -> Identity | None:
     """The instance's identity; None if its side channel has none (not a kvplane connector)."""
     data = await side_fetch(up, IDENTITY_KEY, timeout)
     return parse_identity(data) if data is not None else None
+
+
+async def side_unhold(up: Upstream, handle: Mapping[str, Any], timeout: float) -> bool:
+    """Give prefill back a pull hold that decode will never read (prefill checks that the
+    handle is its own). True when prefill freed the blocks."""
+    reply = await side_fetch(up, UNHOLD_KEY.format(handle=_canonical(dict(handle))), timeout)
+    if reply is None:
+        return False
+    try:
+        return bool(json.loads(reply).get("released"))
+    except (json.JSONDecodeError, AttributeError):
+        return False

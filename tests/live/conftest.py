@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvplane.live.nixl_env import NixlUnavailable, import_nixl_api
 
 

@@ -5,6 +5,9 @@
 - `start_all` starts several servers at once and waits for all (on 2 cores a P/D pair takes
   about a minute, three servers about two), failing with the tail of the log of any server
   that died or never became healthy.
+- `RouterProcess` runs the real `kvplane router` in front of a prefill and a decode server, and
+  `pd_cluster` starts the cluster every live module uses (prefill and decode with the
+  connector, a plain reference server, the router on demand), module-scoped by its caller.
 - `PdClient` plays the router's part of the request contract (docs/notes/live-protocol.md):
   pull (prefill, then decode with prefill's params), push (both legs at once, one transfer id)
   and reuse (prefill gets the previous turn's retained handle). Completions API with token ids
@@ -12,8 +15,10 @@
 
 Settings that matter on this machine (shared/LIVE-ON-CPU.md): float32 (bf16 hit an AMX illegal
 instruction in a P/D decode worker), `VLLM_CPU_KVCACHE_SPACE=1`, `--enforce-eager`, one side
-channel port per server, `HF_HUB_OFFLINE=1`, prefix caching off (the recorded ledger gives each
-block one owner).
+channel port per server, `HF_HUB_OFFLINE=1`. Prefix caching is off unless a server asks for it
+(`prefix_caching=True`, vLLM's default): with it, prefill's recorded block ledger sees blocks
+shared between requests. The handle key reaches the connectors and the router through
+`$KVPLANE_HANDLE_KEY`, never through a command line.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class VllmServer:
     side_port: int = field(default_factory=free_port)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    prefix_caching: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -94,7 +100,8 @@ class VllmServer:
                "--model", str(self.model), "--served-model-name", MODEL_NAME,
                "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-               "--max-num-seqs", "4", "--block-size", "32", "--no-enable-prefix-caching",
+               "--max-num-seqs", "4", "--block-size", "32",
+               "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
                *self.extra_args]
         if self.connector is not None:
             extra = {"instance": self.name, "side_channel_port": self.side_port,
@@ -297,3 +304,201 @@ class PdClient:
                 time.sleep(lead)
             fp = pool.submit(complete, self.prefill.url, prompt, 1, p_params, request_id=xfer)
             return fp.result(), fd.result()
+
+
+# ---- the router, as a process -------------------------------------------------------------------
+
+
+def kvplane_command() -> str:
+    """The `kvplane` entry point of the interpreter running the tests (its venv's bin/)."""
+    import pytest
+
+    path = Path(sys.executable).parent / "kvplane"
+    if not path.exists():
+        pytest.fail(f"no `kvplane` command next to {sys.executable}: install the project into "
+                    "this venv (pip install -e '.[live]')", pytrace=False)
+    return str(path)
+
+
+@dataclass
+class RouterProcess:
+    """`kvplane router` in front of one prefill and one decode, recording into the run."""
+
+    prefill: VllmServer
+    decode: VllmServer
+    db: Path
+    run: str
+    log_dir: Path
+    handle_key: str = ""
+    port: int = field(default_factory=free_port)
+    mode: str | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self, mode: str) -> list[str]:
+        def spec(s: VllmServer) -> str:
+            return f"{s.url},id={s.name},side=127.0.0.1:{s.side_port}"
+
+        return [kvplane_command(), "router", "--prefill", spec(self.prefill),
+                "--decode", spec(self.decode), "--mode", mode,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--db", str(self.db), "--run-id", self.run,
+                "--lease-ttl", "120", "--heartbeat-every", "2", "--log-level", "INFO"]
+
+    def start(self, mode: str, timeout: float = 60.0) -> None:
+        assert self.proc is None, "router already running"
+        self.starts += 1
+        log = open(self.log_dir / f"router-{self.starts}-{mode}.log", "wb")  # noqa: SIM115
+        cmd = self.command(mode)
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        env = {**os.environ, "KVPLANE_HANDLE_KEY": self.handle_key, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.mode = mode
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router not healthy after {timeout:.0f} s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.log_dir / f"router-{self.starts}-{self.mode}.log"
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """SIGTERM: aiohttp's clean shutdown (the recorder flushes); SIGKILL: a crash."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def use(self, mode: str) -> str:
+        """The router's URL, running in `mode` (restarted if it ran another one)."""
+        if self.mode != mode or self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            self.start(mode)
+        return self.url
+
+    def health(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.url}/health", timeout=10).json())
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("#") or not line:
+                continue
+            key, _, value = line.rpartition(" ")
+            if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key
+                                                     for k, v in labels.items()):
+                total += float(value)
+        return total
+
+
+# ---- the cluster the live modules share -----------------------------------------------------------
+
+
+@dataclass
+class PdCluster:
+    """A prefill and a decode server with KvplaneConnector, a plain reference server, and the
+    router in front of the pair (started on first use), all recording into one run."""
+
+    prefill: VllmServer
+    decode: VllmServer
+    single: VllmServer
+    router: RouterProcess
+    db: Path
+    run: str
+    logs: Path
+
+    @property
+    def client(self) -> PdClient:
+        return PdClient(self.prefill, self.decode)
+
+    def events(self, settle: float = 0.6) -> list[Any]:
+        """Everything the connectors and the router recorded so far, merged by time."""
+        from kvplane.store import open_store
+
+        time.sleep(settle)  # the connectors write every 0.2 s, the router every 0.5 s
+        with open_store(str(self.db)) as store:
+            out = list(store.events(self.run))
+        return sorted(out, key=lambda e: e.at)
+
+    def of(self, xfer: str, settle: float = 0.6) -> list[Any]:
+        return [e for e in self.events(settle) if e.request == xfer]
+
+    def wait_for(self, xfer: str, kind: type, timeout: float = 15.0,
+                 **match: object) -> list[Any]:
+        """The events of one exchange, once one of `kind` (matching) is among them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            evs = self.of(xfer, settle=0.2)
+            if any(isinstance(e, kind) and all(getattr(e, k) == v for k, v in match.items())
+                   for e in evs) or time.monotonic() > deadline:
+                return evs
+            time.sleep(0.3)
+
+
+def pd_cluster(suite: str, connector: dict[str, Any], *, handle_key: str = "",
+               prefix_caching: bool = False) -> PdCluster:
+    """Start the shared cluster (the caller stops it with `stop_cluster`)."""
+    import uuid
+
+    require_vllm()
+    model = _tiny_model().tiny_model_dir()
+    logs = log_dir(suite)
+    db = logs / "events.db"
+    run = f"{suite}-{uuid.uuid4().hex[:8]}"
+    cfg = {"kvplane_db": str(db), "kvplane_run": run, **connector}
+    env = {"KVPLANE_HANDLE_KEY": handle_key} if handle_key else {}
+    prefill = VllmServer("prefill", model, logs, connector=dict(cfg), env=dict(env),
+                         prefix_caching=prefix_caching)
+    decode = VllmServer("decode", model, logs, connector=dict(cfg), env=dict(env),
+                        prefix_caching=prefix_caching)
+    single = VllmServer("single", model, logs)
+    start_all([prefill, decode, single])
+    print(f"\nvLLM and router logs and events in {logs}")
+    return PdCluster(prefill, decode, single,
+                     RouterProcess(prefill, decode, db, run, logs, handle_key=handle_key),
+                     db, run, logs)
+
+
+def _tiny_model() -> Any:
+    """tiny_model.py next to this file, under the name the test modules load it by."""
+    import importlib.util
+
+    full = "kvplane_live_tiny_model"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full,
+                                                      Path(__file__).with_name("tiny_model.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[full] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
+def stop_cluster(c: PdCluster) -> None:
+    c.router.stop()
+    stop_all([c.prefill, c.decode, c.single])

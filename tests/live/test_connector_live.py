@@ -20,7 +20,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -29,7 +28,6 @@ import pytest
 from kvplane.core import events as ev
 from kvplane.core.replay import replay
 from kvplane.live.sidechannel import SideChannelError, fetch
-from kvplane.store import open_store
 
 
 def _load(name: str) -> ModuleType:
@@ -56,57 +54,18 @@ THRESHOLD = 64
 BLOCK = 32  # --block-size in servers.py
 
 
-@dataclass
-class Cluster:
-    prefill: VllmServer
-    decode: VllmServer
-    single: VllmServer
-    db: Path
-    run: str
-
-    @property
-    def client(self) -> PdClient:
-        return PdClient(self.prefill, self.decode)
-
-    def events(self, settle: float = 0.6) -> list[ev.Event]:
-        """Everything both instances recorded so far, merged by time."""
-        time.sleep(settle)  # the recorders write every 0.2 s
-        with open_store(str(self.db)) as store:
-            out = list(store.events(self.run))
-        return sorted(out, key=lambda e: e.at)
-
-    def of(self, xfer: str, settle: float = 0.6) -> list[ev.Event]:
-        return [e for e in self.events(settle) if e.request == xfer]
-
-    def wait_for(self, xfer: str, kind: type[ev.Event], timeout: float = 15.0,
-                 **match: object) -> list[ev.Event]:
-        deadline = time.monotonic() + timeout
-        while True:
-            evs = self.of(xfer, settle=0.2)
-            if any(isinstance(e, kind) and all(getattr(e, k) == v for k, v in match.items())
-                   for e in evs) or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.3)
+Cluster = _servers.PdCluster
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    _servers.require_vllm()
-    model = tiny_model_dir()
-    logs = _servers.log_dir("live")
-    db = logs / "events.db"
-    run = f"live-{uuid.uuid4().hex[:8]}"
-    cfg = {"kvplane_db": str(db), "kvplane_run": run, "kv_recompute_threshold": THRESHOLD,
-           "decoder_kv_blocks_ttl": 120, "lease_renewable": True, "lease_extension": 200}
-    prefill = VllmServer("prefill", model, logs, connector=dict(cfg))
-    decode = VllmServer("decode", model, logs, connector=dict(cfg))
-    single = VllmServer("single", model, logs)
-    start_all([prefill, decode, single])
-    print(f"\nvLLM logs and events in {logs}")
+    cfg = {"kv_recompute_threshold": THRESHOLD, "decoder_kv_blocks_ttl": 120,
+           "lease_renewable": True, "lease_extension": 200}
+    c = _servers.pd_cluster("live", cfg)
     try:
-        yield Cluster(prefill, decode, single, db, run)
+        yield c
     finally:
-        stop_all([prefill, decode, single])
+        _servers.stop_cluster(c)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -51,11 +51,11 @@ class Pair:
     log: ListRecorder = field(default_factory=ListRecorder)
     halves: dict[str, SchedulerHalf] = field(default_factory=dict)
 
-    def half(self, name: str, **cfg: Any) -> SchedulerHalf:
+    def half(self, name: str, key: bytes = b"", **cfg: Any) -> SchedulerHalf:
         c = ConnectorConfig.from_extra({"instance": name, "side_channel_port": 1,
                                         "kv_recompute_threshold": 8, **cfg})
         h = SchedulerHalf(c, LAYOUT, f"engine-{name}", SafeRecorder(self.log, name),
-                          clock=self.clock, serve=False)
+                          clock=self.clock, serve=False, handle_key=key)
         self.halves[name] = h
         return h
 
@@ -333,3 +333,235 @@ def test_bad_params_are_refused_not_raised() -> None:
     assert delay and params["kvplane"]["retained"]["num_tokens"] == len(PROMPT) + 1
     rp = request("bad", {"do_remote_decode": True, "kvplane": {"v": 99}}, PROMPT)
     assert P.get_num_new_matched_tokens(rp, 0) == (0, False)
+
+
+# ---- hostile and ordinary clients (issue 9) ----------------------------------------------------
+
+
+def test_second_request_with_the_same_xfer_computes_locally() -> None:
+    """n > 1 (vLLM copies one kv_transfer_params into each sample), a batch, a replay."""
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    rd, _ = run_pull(pair, "dup", PROMPT, [1, 2, 3, 4, 5], [7, 8, 9, 10, 11], [1, 2])
+    params = rd.kv_transfer_params
+    for rid in ("1_dup-d", "dup-replayed"):
+        twin = request(rid, params, PROMPT)
+        D.on_new_request(twin)
+        assert D.get_num_new_matched_tokens(twin, 0) == (0, False)
+        D.update_state_after_alloc(twin, [20, 21, 22, 23, 24], 0)
+        finish(twin, len(PROMPT) + 1, [3, 4])
+        assert D.request_finished(twin, [20, 21, 22, 23, 24]) == (False, None)
+    assert len(pair.of(ev.TransferPlanned, instance="D")) == 1
+    refusals = [e for e in pair.of(ev.KVLoadFailed, instance="D") if "already belongs" in e.reason]
+    assert len(refusals) == 2
+    pair.replay_ok()
+
+
+def test_duplicate_prefill_legs_hold_once() -> None:
+    pair = Pair()
+    P = pair.half("P")
+    _, (delay, params) = run_prefill(pair, "pdup", PROMPT, [1, 2, 3, 4, 5])
+    assert delay and params
+    twin = request("1_pdup-p", prefill_leg("pdup"), PROMPT, 1)
+    P.on_new_request(twin)
+    assert P.get_num_new_matched_tokens(twin, 0) == (0, False)
+    P.update_state_after_alloc(twin, [9, 10, 11, 12, 13], 0)
+    finish(twin, len(PROMPT))
+    assert P.request_finished(twin, [9, 10, 11, 12, 13]) == (False, None)
+    assert len(pair.of(ev.LeaseGranted, instance="P")) == 1
+
+
+def read_runs(meta: KvplaneMeta) -> list[tuple[int, int, int]]:
+    return [r for o in meta.orders for r in o.runs]
+
+
+def test_decode_with_a_local_prefix_hit_loads_only_the_rest() -> None:
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    _, (_, params) = run_prefill(pair, "hit", PROMPT, [1, 2, 3, 4, 5])
+    rd = request("hit-d", params, PROMPT)
+    D.on_new_request(rd)
+    assert D.get_num_new_matched_tokens(rd, 8) == (len(PROMPT) - 8, True)  # 2 blocks local
+    D.update_state_after_alloc(rd, [40, 41, 7, 8, 9], len(PROMPT) - 8)
+    meta = D.build_connector_meta()
+    # prefill's blocks 3, 4, 5 into decode's new blocks 7, 8, 9: never into 40, 41
+    assert read_runs(meta) == [(3, 7, 3)]
+    planned = pair.of(ev.TransferPlanned, instance="D")[0]
+    assert planned.dst_blocks == (7, 8, 9) and planned.num_tokens == len(PROMPT) - 8
+    assert D.get_num_new_matched_tokens(rd, 3) == (0, False)  # tried once; also unaligned
+
+
+def test_push_with_a_decode_prefix_hit_writes_only_new_blocks() -> None:
+    pair = Pair()
+    P = pair.half("P")
+    D = pair.half("D")
+    rd = request("phit-d", push_decode_leg("phit"), PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 4)
+    assert n == len(PROMPT) - 4
+    D.update_state_after_alloc(rd, [40, 7, 8, 9, 10], n)
+    meta = pair.step("D")
+    reg = decode_notif(meta.orders[0].notify)
+    assert reg is not None and reg[1]["blocks"] == [40, 7, 8, 9, 10] and reg[1]["skip"] == 1
+    run_prefill(pair, "phit", PROMPT, [1, 2, 3, 4, 5], mode="push")
+    meta = P.build_connector_meta()
+    assert [o.kind for o in meta.orders] == ["write"]
+    assert read_runs(meta) == [(2, 7, 4)]  # never block 40
+    del P
+
+
+def test_unaligned_local_hit_computes_locally() -> None:
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    _, (_, params) = run_prefill(pair, "odd", PROMPT, [1, 2, 3, 4, 5])
+    rd = request("odd-d", params, PROMPT)
+    D.on_new_request(rd)
+    assert D.get_num_new_matched_tokens(rd, 6) == (0, False)
+
+
+def test_forged_or_replayed_pull_handles_are_not_read() -> None:
+    key = b"unit-test-key-0123456789abcdef"
+    pair = Pair()
+    pair.half("P", key=key)
+    D = pair.half("D", key=key)
+    _, (_, params) = run_prefill(pair, "sig", PROMPT, [1, 2, 3, 4, 5])
+    assert isinstance(params["kvplane"]["pull"]["sig"], str)
+    forged = json.loads(json.dumps(params))
+    forged["kvplane"]["pull"]["blocks"] = [60, 61, 62, 63, 64]  # another tenant's blocks
+    unsigned = json.loads(json.dumps(params))
+    del unsigned["kvplane"]["pull"]["sig"]
+    for i, bad in enumerate((forged, unsigned)):
+        rd = request(f"bad-{i}", bad, PROMPT)
+        D.on_new_request(rd)
+        assert D.get_num_new_matched_tokens(rd, 0) == (0, False)
+    pair.clock.now += 31  # past the hold: a stolen handle is refused as expired too
+    late = request("late", json.loads(json.dumps(params)), PROMPT)
+    D.on_new_request(late)
+    assert D.get_num_new_matched_tokens(late, 0) == (0, False)
+    assert not pair.of(ev.TransferPlanned, instance="D")
+    reasons = [e.reason for e in pair.of(ev.KVLoadFailed, instance="D")]
+    assert len(reasons) == 3 and "forged or altered" in reasons[0]
+    assert "no signature" in reasons[1] and "expired" in reasons[2]
+
+
+def test_a_core_refusal_inside_a_hook_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvplane.core.errors import ProtocolError
+
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    _, (_, params) = run_prefill(pair, "boom", PROMPT, [1, 2, 3, 4, 5])
+
+    def refuse(cmd: Any, now: float) -> list[ev.Event]:
+        raise ProtocolError("decode", "absent", type(cmd).__name__, "any message at all")
+
+    monkeypatch.setattr(D.decode, "handle", refuse)
+    rd = request("boom-d", params, PROMPT)
+    D.on_new_request(rd)
+    n, load = D.get_num_new_matched_tokens(rd, 0)
+    assert load
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)  # no exception escapes
+    meta = D.build_connector_meta()
+    assert rd.request_id in meta.failed_recving and rd.request_id in meta.finished_recving
+    assert any("refused ExpectKV" in e.reason for e in pair.of(ev.KVLoadFailed, instance="D"))
+
+
+def test_wall_answers_when_a_hook_raises() -> None:
+    pair = Pair()
+    P = pair.half("P")
+    rp = request("w-p", prefill_leg("w"), PROMPT, 1)
+    P.on_new_request(rp)
+    P.hook_failed("get_num_new_matched_tokens", RuntimeError("x"), rp)
+    assert "w-p" not in P.reqs  # goes on as a plain request
+    P.alloc_failed(rp, 8)  # vLLM waits for a load we never ordered: reported failed
+    meta = P.build_connector_meta()
+    assert "w-p" in meta.failed_recving and "w-p" in meta.finished_recving
+    assert P.finish_failed(rp) == (False, None)
+    assert pair.of(ev.KVLoadFailed, request="w")
+
+
+def test_router_gives_back_a_hold_decode_refused() -> None:
+    key = b"unit-test-key-0123456789abcdef"
+    pair = Pair()
+    P = pair.half("P", key=key)
+    rp, (_, params) = run_prefill(pair, "un", PROMPT, [1, 2, 3, 4, 5])
+    pull = params["kvplane"]["pull"]
+    assert P._control_request("unhold/" + json.dumps({**pull, "blocks": [9]})) is None
+    reply = P._control_request("unhold/" + json.dumps(pull))
+    assert json.loads(reply or b"{}")["released"] is True
+    assert rp.request_id in P.build_connector_meta().finished_sending
+    pair.replay_ok()
+
+
+def test_config_refuses_unknown_keys_and_a_key_in_the_config(tmp_path: Any,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    from kvplane.live.connector_config import load_handle_key
+
+    with pytest.raises(ValueError, match=r"unknown key\(s\) 'bidirectional', 'mode'.*known "
+                                         r"keys: .*bidirectional_kv_xfer"):
+        ConnectorConfig.from_extra({"mode": "push", "bidirectional": True})
+    with pytest.raises(ValueError, match="KVPLANE_HANDLE_KEY"):
+        ConnectorConfig.from_extra({"handle_key": "secret"})
+    monkeypatch.delenv("KVPLANE_HANDLE_KEY", raising=False)
+    f = tmp_path / "key"
+    f.write_text("from-a-file\n")
+    cfg = ConnectorConfig.from_extra({"handle_key_file": str(f)})
+    assert load_handle_key(cfg) == b"from-a-file"
+    monkeypatch.setenv("KVPLANE_HANDLE_KEY", "from-env")
+    assert load_handle_key(cfg) == b"from-env"
+    assert "from-env" not in repr(cfg) and "from-a-file" not in repr(cfg)
+    assert ConnectorConfig.from_extra({"backends": ["UCX"]}).backends == ("UCX",)
+
+
+def test_a_read_pins_the_lease_it_reads_under() -> None:
+    key = b"unit-test-key-0123456789abcdef"
+    pair = Pair()
+    P = pair.half("P", key=key)
+    rp, (_, params) = run_prefill(pair, "pin", PROMPT, [1, 2, 3, 4, 5])
+    pull = params["kvplane"]["pull"]
+    body = {"kind": "pull", "handle": pull, "reader": "D/pin#0", "duration": 5.0}
+    assert P._control_request("pin/" + json.dumps({**body, "handle": {**pull, "lease": "x"}})) \
+        is None  # altered: refused
+    assert json.loads(P._control_request("pin/" + json.dumps(body)) or b"{}")["pin"] is True
+    from kvplane.core.signing import sign
+
+    P.on_fact(Fact("notif", "pin", 0, pair.clock(), notif="READ",  # decode's READ is done
+                   body=sign(key, {"xfer": "pin", "attempt": 0, "kind": "READ"})))
+    assert rp.request_id not in P.build_connector_meta().finished_sending  # still pinned
+    assert P._control_request("unpin/" + json.dumps(body)) is not None
+    assert rp.request_id in P.build_connector_meta().finished_sending
+    late = {**body, "reader": "D/other#0"}
+    assert P._control_request("pin/" + json.dumps(late)) is None  # the lease is gone
+    assert pair.of(ev.LeasePinned, instance="P") and pair.of(ev.LeaseUnpinned, instance="P")
+    pair.replay_ok()
+
+
+def test_notifications_are_signed_and_forged_ones_dropped() -> None:
+    key = b"unit-test-key-0123456789abcdef"
+    pair = Pair()
+    pair.half("P", key=key)
+    D = pair.half("D", key=key)
+    rd = request("nf-d", push_decode_leg("nf"), PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)
+    meta = D.build_connector_meta()
+    reg = decode_notif(meta.orders[0].notify)
+    assert reg is not None and isinstance(reg[1]["sig"], str)
+    # someone inside the network claims prefill has written decode's blocks
+    for body in ({"xfer": "nf", "attempt": 0, "src_rank": 0, "dst_rank": 0},
+                 {"xfer": "nf", "attempt": 0, "src_rank": 0, "dst_rank": 0, "sig": "00"}):
+        D.on_fact(Fact("notif", "nf", 0, pair.clock(), notif="DONE", body=body))
+    assert not pair.of(ev.KVReceived, instance="D")
+    assert len([e for e in pair.of(ev.KVLoadFailed) if "DONE notification refused" in e.reason]) \
+        == 2
+    # the real exchange still completes
+    pair.halves["P"].on_fact(Fact("notif", "nf", 0, pair.clock(), notif="REG", body=reg[1]))
+    run_prefill(pair, "nf", PROMPT, [1, 2, 3, 4, 5], mode="push")
+    pair.step("P")
+    assert rd.request_id in pair.step("D").finished_recving
+    assert pair.of(ev.KVReceived, instance="D")

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -48,7 +46,6 @@ import pytest
 
 from kvplane.core import events as ev
 from kvplane.core.replay import replay
-from kvplane.store import open_store
 
 
 def _load(name: str) -> ModuleType:
@@ -79,160 +76,24 @@ HANDLE_KEY = "e2e-router-handle-key-0123456789abcdef"
 # ---- the router, as a process -------------------------------------------------------------------
 
 
-def kvplane_command() -> str:
-    """The `kvplane` entry point of the interpreter running the tests (its venv's bin/)."""
-    path = Path(sys.executable).parent / "kvplane"
-    if not path.exists():
-        pytest.fail(f"no `kvplane` command next to {sys.executable}: install the project into "
-                    "this venv (pip install -e '.[live]')", pytrace=False)
-    return str(path)
-
-
-@dataclass
-class RouterProcess:
-    """`kvplane router` in front of one prefill and one decode, recording into the run."""
-
-    prefill: VllmServer
-    decode: VllmServer
-    db: Path
-    run: str
-    log_dir: Path
-    port: int = field(default_factory=free_port)
-    mode: str | None = None
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def command(self, mode: str) -> list[str]:
-        def spec(s: VllmServer) -> str:
-            return f"{s.url},id={s.name},side=127.0.0.1:{s.side_port}"
-
-        return [kvplane_command(), "router", "--prefill", spec(self.prefill),
-                "--decode", spec(self.decode), "--mode", mode,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--db", str(self.db), "--run-id", self.run,
-                "--lease-ttl", "120", "--heartbeat-every", "2", "--log-level", "INFO"]
-
-    def start(self, mode: str, timeout: float = 60.0) -> None:
-        assert self.proc is None, "router already running"
-        self.starts += 1
-        log = open(self.log_dir / f"router-{self.starts}-{mode}.log", "wb")  # noqa: SIM115
-        cmd = self.command(mode)
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        env = {**os.environ, "KVPLANE_HANDLE_KEY": HANDLE_KEY, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self.mode = mode
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.2)
-
-    def log_tail(self, lines: int = 40) -> str:
-        path = self.log_dir / f"router-{self.starts}-{self.mode}.log"
-        try:
-            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """SIGTERM: aiohttp's clean shutdown (the recorder flushes); SIGKILL: a crash."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self.proc = None
-
-    def use(self, mode: str) -> str:
-        """The router's URL, running in `mode` (restarted if it ran another one)."""
-        if self.mode != mode or self.proc is None or self.proc.poll() is not None:
-            self.stop()
-            self.start(mode)
-        return self.url
-
-    def health(self) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.url}/health", timeout=10).json())
-
-    def metric(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith("#") or not line:
-                continue
-            key, _, value = line.rpartition(" ")
-            if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key
-                                                     for k, v in labels.items()):
-                total += float(value)
-        return total
+RouterProcess = _servers.RouterProcess
 
 
 # ---- the cluster --------------------------------------------------------------------------------
 
 
-@dataclass
-class Cluster:
-    prefill: VllmServer
-    decode: VllmServer
-    single: VllmServer
-    router: RouterProcess
-    db: Path
-    run: str
-
-    def events(self, settle: float = 0.6) -> list[ev.Event]:
-        """Everything the connectors and the router recorded so far, merged by time."""
-        time.sleep(settle)  # the connectors write every 0.2 s, the router every 0.5 s
-        with open_store(str(self.db)) as store:
-            out = list(store.events(self.run))
-        return sorted(out, key=lambda e: e.at)
-
-    def wait_for(self, xfer: str, kind: type[ev.Event], timeout: float = 15.0,
-                 **match: object) -> list[ev.Event]:
-        """The events of one exchange, once one of `kind` (matching) is among them."""
-        deadline = time.monotonic() + timeout
-        while True:
-            evs = [e for e in self.events(settle=0.2) if e.request == xfer]
-            if only(evs, kind, **match) or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.3)
+Cluster = _servers.PdCluster
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    _servers.require_vllm()
-    model = tiny_model_dir()
-    logs = _servers.log_dir("e2e")
-    db = logs / "events.db"
-    run = f"e2e-{uuid.uuid4().hex[:8]}"
-    cfg = {"kvplane_db": str(db), "kvplane_run": run, "kv_recompute_threshold": THRESHOLD,
-           "decoder_kv_blocks_ttl": 120, "lease_renewable": True, "lease_extension": 200,
-           "handle_key": HANDLE_KEY}
-    prefill = VllmServer("prefill", model, logs, connector=dict(cfg))
-    decode = VllmServer("decode", model, logs, connector=dict(cfg))
-    single = VllmServer("single", model, logs)
-    start_all([prefill, decode, single])
-    print(f"\nvLLM and router logs and events in {logs}")
-    router = RouterProcess(prefill, decode, db, run, logs)
+    cfg = {"kv_recompute_threshold": THRESHOLD, "decoder_kv_blocks_ttl": 120,
+           "lease_renewable": True, "lease_extension": 200}
+    c = _servers.pd_cluster("e2e", cfg, handle_key=HANDLE_KEY)
     try:
-        yield Cluster(prefill, decode, single, router, db, run)
+        yield c
     finally:
-        router.stop()
-        stop_all([prefill, decode, single])
+        _servers.stop_cluster(c)
 
 
 # ---- requests -----------------------------------------------------------------------------------

@@ -82,6 +82,9 @@ def test_ucx_1p1d_command_lines() -> None:
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert dict(decode.env)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"  # one per instance
     assert env["UCX_TLS"] == "cuda_ipc,cuda_copy,tcp" and "FI_PROVIDER" not in env
+    # the instances take only the router's API key, which reaches both from the environment
+    assert env["VLLM_API_KEY"] == "$KVPLANE_UPSTREAM_API_KEY"
+    assert dict(router.env)["KVPLANE_UPSTREAM_API_KEY"] == "$KVPLANE_UPSTREAM_API_KEY"
     argv = list(prefill.argv)
     assert argv[:3] == ["vllm", "serve", "/models/Qwen3-0.6B"]
     assert argv[argv.index("--port") + 1] == "8100"
@@ -99,8 +102,8 @@ def test_ucx_1p1d_command_lines() -> None:
             "side_channel_port": 5600, "bidirectional_kv_xfer": False, "backends": ["UCX"],
         },
     }
-    assert argv[-6:] == ["--no-enable-prefix-caching", "--max-model-len", "32768",
-                         "--max-num-seqs", "8", "--enforce-eager"]
+    assert argv[-5:] == ["--max-model-len", "32768", "--max-num-seqs", "8", "--enforce-eager"]
+    assert "--no-enable-prefix-caching" not in argv  # vLLM's default (on) is kept
     r = list(router.argv)
     assert r[:2] == ["kvplane", "router"]
     assert r[r.index("--mode") + 1] == "push" and r[r.index("--policy") + 1] == "least_loaded"
@@ -183,6 +186,10 @@ def test_efa_topology_two_nodes_libfabric() -> None:
             {"role": "decode", "host": "h", "port": 8100, "side_channel_port": 5600},
             {"role": "decode", "host": "h", "port": 8200, "side_channel_port": 5601}]},
          "at least one prefill instance is needed"),
+        ({"instances": [
+            {"role": "prefill", "host": "0.0.0.0", "port": 8100, "side_channel_port": 5600},
+            {"role": "decode", "host": "h", "port": 8200, "side_channel_port": 5601}]},
+         "prefill-0: host '0.0.0.0' listens on every interface"),
         ({"mode": "sideways"}, "mode"),
         ({"nixl_backend": "GDS"}, "nixl_backend"),
     ],
@@ -279,7 +286,8 @@ def test_script_starts_everything_and_waits_for_health(tmp_path: Path) -> None:
     script = tmp_path / "serve.sh"
     script.write_text(render_script(load_topology(raw)))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "KVPLANE_DB": "sqlite://",
-           "KVPLANE_RUN": "r", "KVPLANE_HANDLE_KEY": "k" * 32, "LOG_DIR": str(tmp_path / "logs")}
+           "KVPLANE_RUN": "r", "KVPLANE_HANDLE_KEY": "k" * 32, "LOG_DIR": str(tmp_path / "logs"),
+           "KVPLANE_UPSTREAM_API_KEY": "u" * 32}
     proc = subprocess.Popen(["bash", str(script), "all"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kvplane.live.transport import (
     Region,
     Run,
