@@ -366,9 +366,11 @@ class SchedulerHalf:
                 self._order_transfer(role, ev, now)
             elif isinstance(ev, RegistrationSent):
                 self._order_registration(ev, req, now)
-            elif isinstance(ev, RegistrationDropped) or (
+            elif (isinstance(ev, RegistrationDropped) and ev.final) or (
                     isinstance(ev, TransferFailed) and ev.direction == "P->D"
                     and role == "prefill"):
+                # a non-final drop is a copy of a registration that still stands: decode's
+                # wait goes on, and telling it "no KV" would free blocks a WRITE lands in
                 self._tell_decode_failed(ev.request or "", ev.attempt, ev.reason)
             if role == "decode" and isinstance(ev, (LeaseExpired, LeaseReleased, LeaseRenewed)):
                 self._republish(ev)
@@ -515,8 +517,6 @@ class SchedulerHalf:
                                          purpose="register"))
 
     def _tell_decode_failed(self, xfer: str, attempt: int, reason: str) -> None:
-        if reason == "duplicate registration":
-            return  # the first registration still stands
         peer = self.decode_of.get((xfer, attempt))
         if peer is None:
             return
