@@ -2,8 +2,8 @@
 
 What it serves: OpenAI-compatible `POST /v1/completions` and `POST /v1/chat/completions`
 (streamed as server-sent events or not), `GET /v1/models`, `GET /health` and `GET /metrics`
-(Prometheus). Modes: `pull`, `push`, `bidirectional` (SPEC.md sections 1-3). The legs it sends
-and the answers it reads are `router_upstream`'s (the connector contract).
+(Prometheus). Modes: `pull`, `push`, `bidirectional` (the designs: docs/published.md).
+The legs it sends and the answers it reads are `router_upstream`'s (the connector contract).
 
 This file follows one request: admit (check and refuse before any engine works on it,
 `kvplane.core.router_rules`), choose, prefill leg, decode leg, relay, end. First contact with
