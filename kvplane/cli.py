@@ -32,6 +32,15 @@ DbOpt = Annotated[
 ]
 
 
+EngineOpt = Annotated[str, typer.Option(
+    help="Where points run: `local` processes, or `ray` tasks (pip install 'kvplane[ray]').")]
+AddressOpt = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(help="With --engine ray: the Ray cluster to join (host:port, or `auto`); "
+                 "default: the one this shell joined, else a private local one."),
+]
+
+
 def _fail(msg: str, code: int = 2) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
@@ -47,14 +56,18 @@ def sim_run(
     jobs: Annotated[int, typer.Option(help="Sweep points run in parallel processes.")] = 0,
     no_record: Annotated[bool, typer.Option("--no-record",
                                             help="Do not write events to the store.")] = False,
+    engine: EngineOpt = "local",
+    address: AddressOpt = None,
 ) -> None:
     """Run every point of a scenario's sweep, record every core event, print a summary."""
     from kvplane.sim.config import ScenarioError
+    from kvplane.sim.engines import EngineError
     from kvplane.sim.runner import run_scenario
 
     try:
-        summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record)
-    except ScenarioError as exc:
+        summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record,
+                               engine=engine, address=address)
+    except (ScenarioError, EngineError) as exc:
         _fail(str(exc))
         return
     from kvplane.sim.report import points_table
@@ -94,15 +107,19 @@ def plan(
                                                  "scenario's highest).")] = None,
     max_instances: Annotated[int, typer.Option(help="Largest xPyD total to try.")] = 8,
     jobs: Annotated[int, typer.Option(help="Parallel processes.")] = 0,
+    engine: EngineOpt = "local",
+    address: AddressOpt = None,
 ) -> None:
     """Search xPyD and connector settings for the cheapest configuration meeting an SLO."""
     from kvplane.sim.config import ScenarioError
+    from kvplane.sim.engines import EngineError
     from kvplane.sim.planner import search
 
     try:
         text, found = search(scenario, ttft_p90_ms=ttft_p90_ms, tpot_p90_ms=tpot_p90_ms,
-                             qps=qps, max_instances=max_instances, jobs=jobs)
-    except ScenarioError as exc:
+                             qps=qps, max_instances=max_instances, jobs=jobs, engine=engine,
+                             address=address)
+    except (ScenarioError, EngineError) as exc:
         _fail(str(exc))
         return
     typer.echo(text)

@@ -12,12 +12,11 @@ Rules kept here:
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .config import Point, Scenario, Sweep, load_scenario
+from .engines import check_engine, map_ordered
 from .runner import simulate
 
 
@@ -61,22 +60,22 @@ def _evaluate(args: tuple[Point, Candidate]) -> tuple[Candidate, dict[str, Any]]
 
 
 def search(scenario: str | Scenario, *, ttft_p90_ms: float, tpot_p90_ms: float,
-           qps: float | None = None, max_instances: int = 8, jobs: int = 0) -> tuple[str, bool]:
+           qps: float | None = None, max_instances: int = 8, jobs: int = 0,
+           engine: str = "local", address: str | None = None) -> tuple[str, bool]:
+    """The cheapest configuration meeting the SLO, as a table; candidates of one cost run on
+    `engine` (local processes or Ray tasks: the same answer either way)."""
+    check_engine(engine, address)
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     if qps is None and sc.sweep.qps:
         qps = max(sc.sweep.qps)
     lines = [(f"planning {sc.name} at {qps if qps is not None else 'the scenario'} QPS: "
               f"SLO p90 TTFT <= {ttft_p90_ms:g} ms, p90 TPOT <= {tpot_p90_ms:g} ms"),
              f"{'GPUs':>4}  {'candidate':<20} {'TTFT p90':>9} {'TPOT p90':>9} {'margin':>7}"]
-    jobs = jobs or (os.cpu_count() or 1)
     best: tuple[float, Candidate, int] | None = None
     for cost, cands in _candidates(sc, max_instances).items():
         work = [(_point(sc, c, qps), c) for c in cands]
-        if jobs > 1 and len(work) > 1:
-            with ProcessPoolExecutor(max_workers=min(jobs, len(work))) as pool:
-                results = list(pool.map(_evaluate, work))
-        else:
-            results = [_evaluate(w) for w in work]
+        results = list(map_ordered(_evaluate, work, engine=engine, jobs=jobs,
+                                   address=address))
         for c, s in results:
             ttft, tpot = s["ttft_ms"]["p90"], s["tpot_ms"]["p90"]
             margin = min((ttft_p90_ms - ttft) / ttft_p90_ms, (tpot_p90_ms - tpot) / tpot_p90_ms)
