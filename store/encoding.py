@@ -59,15 +59,18 @@ _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 def encode_event(event: Event, index: int | None = None) -> EncodedEvent:
     """Check `event` and turn it into a row; `EventRefused` (naming `index`) if it is unfit."""
-    name = type(event).__name__
-    fast = _encoder(name) if EVENT_TYPES.get(name) is type(event) else None
+    fast = _BY_CLASS.get(type(event))
+    if fast is None:
+        fast = _by_class(type(event))
     try:
-        done = fast(event) if fast is not None else None
+        done = fast(event)
     except Exception:  # noqa: BLE001 - an odd value (unhashable, say): the core judges it
         done = None
     if done is not None:
         payload, text = done
+        name = fast.__name__
     else:
+        name = type(event).__name__
         try:
             name, payload = encode(event)
             validate(event)
@@ -143,6 +146,21 @@ FastEncoder = Callable[[Event], "tuple[dict[str, Any], str] | None"]
 _ENCODERS: dict[str, FastEncoder | None] = {}
 
 
+_BY_CLASS: dict[type, FastEncoder] = {}
+
+
+def _slow(event: Event) -> None:
+    return None
+
+
+def _by_class(cls: type) -> FastEncoder:
+    """The fast encoder of an event class (named after its type), `_slow` for anything else."""
+    name = cls.__name__
+    fast = _encoder(name) if EVENT_TYPES.get(name) is cls else None
+    _BY_CLASS[cls] = fast or _slow
+    return _BY_CLASS[cls]
+
+
 def _encoder(name: str) -> FastEncoder | None:
     if name not in _ENCODERS:
         _ENCODERS[name] = _compile_event(EVENT_TYPES[name])
@@ -160,7 +178,8 @@ def _compile_event(cls: type[Event]) -> FastEncoder | None:
     payload_fields = [f.name for f in dataclasses.fields(cls) if f.name not in _COMMON]
     constants: dict[str, Any] = {"_isfinite": math.isfinite, "_INT": {int}, "_STR": {str},
                                  "_NUM": {int, float}, "_ints_json": _ints_json,
-                                 "_strs_json": _strs_json, "_dumps": _dumps}  # fmt: skip
+                                 "_strs_json": _strs_json, "_dumps": _dumps,
+                                 "_jstr": _json_str}  # fmt: skip
     lines = ["def encode(event):"]
     scalars, lists = [], []
     for index, (name, hint) in enumerate(hints.items()):
@@ -184,18 +203,43 @@ def _compile_event(cls: type[Event]) -> FastEncoder | None:
     by_name = {n: f"list({v})" for n, v, _ in lists} | {n: v for n, v in scalars}
     lines.append("    payload = {" + ", ".join(f"{n!r}: {by_name[n]}" for n in payload_fields)
                  + "}")
-    if not lists:
-        lines.append("    return payload, _dumps(payload)")
-    else:
-        rest = "{" + ", ".join(f"{n!r}: {v}" for n, v in scalars) + "}"
-        tail = " + ',' + ".join(f"'\"{n}\":' + {t}" for n, _, t in lists)
-        lines.append(f"    head = _dumps({rest})")
-        lines.append("    return payload, head[:-1] + (',' if len(head) > 2 else '') + "
-                     f"{tail} + '}}'")
+    # the JSON text as one expression: each value's JSON by its (already checked) type
+    texts = {n: t for n, _, t in lists}
+    texts |= {n: _json_expr(hints[n], v) for n, v in scalars}
+    body = ",".join(f'"{n}":{{{texts[n]}}}' for n in payload_fields)
+    lines.append(f"    return payload, f'''{{{{{body}}}}}'''")
     source = "\n".join(lines) + "\n"
     namespace: dict[str, Any] = dict(constants)
     exec(compile(source, f"<kvplane.store encode {cls.__name__}>", "exec"), namespace)  # noqa: S102
-    return typing.cast(FastEncoder, namespace["encode"])
+    fast = namespace["encode"]
+    fast.__name__ = cls.__name__  # the row's type, read back by `encode_event`
+    return typing.cast(FastEncoder, fast)
+
+
+_json_str = json.encoder.encode_basestring_ascii  # what `_dumps` writes for a str
+
+
+def _json_expr(hint: Any, var: str) -> str:
+    """A Python expression giving `var`'s JSON text, `var` having passed `_expr(hint)`: the
+    text `_dumps` would write (`repr` of a finite float is what `json` writes too)."""
+    if hint is int:
+        return var  # an f-string field: str() of an exact int
+    if hint is float:
+        return f"repr({var})"
+    if hint is str:
+        return f"_jstr({var})"
+    if hint is bool:
+        return f"('true' if {var} else 'false')"
+    if hint is type(None):
+        return "'null'"
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal and all(type(a) is str for a in args):
+        return f"_jstr({var})"
+    if typing.get_origin(hint) in (Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return f"('null' if {var} is None else {_json_expr(inner[0], var)})"
+    return f"_dumps({var})"
 
 
 def _expr(hint: Any, var: str, constants: dict[str, Any]) -> str | None:
