@@ -20,6 +20,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -61,6 +62,8 @@ from kvplane.core.lease import Tick as LeaseTick
 from kvplane.core.plan import KVLayout, fan_out
 from kvplane.core.reuse import RetainedHandle
 from kvplane.core.routing import Load, Policy, choose
+
+from .pools import RunPool
 
 Record = Callable[[Event], None]
 
@@ -145,6 +148,12 @@ class SimRequest:
     itl: list[tuple[float, int]] = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=64)
+def _fan_out(src: KVLayout, dst: KVLayout) -> tuple[Any, ...]:
+    """The core's rank fan-out, a function of the two layouts only: computed once per pair."""
+    return tuple(fan_out(src, dst))
+
+
 def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     """The core's block-hash chain (strings) from the workload's per-block uint64 hashes."""
     if hashes is None:
@@ -152,52 +161,8 @@ def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     return tuple(format(h, "016x") for h in hashes.tolist())
 
 
-class BlockPool:
-    """Block ids of one instance.
-
-    Free blocks form a queue (freed blocks go to the back). With `run_blocks`, allocation cuts
-    what it hands out into contiguous runs of geometric length with that mean, the
-    fragmentation of a long-running server's pool; without it a fresh pool hands out in order.
-    The queue is a list with a moving head, so allocation costs per run, not per block.
-    """
-
-    def __init__(self, n: int, run_blocks: float | None, seed: int) -> None:
-        self.queue: list[int] = list(range(n))
-        self.head = 0
-        self.capacity = n
-        self.run_blocks = run_blocks
-        self.rng = np.random.default_rng(seed)
-
-    @property
-    def free(self) -> int:
-        return len(self.queue) - self.head
-
-    def take(self, n: int) -> tuple[int, ...] | None:
-        if n > self.free:
-            return None
-        q, h = self.queue, self.head
-        if self.run_blocks is None:
-            out = q[h:h + n]
-            h += n
-        else:
-            out = []
-            for length in self.rng.geometric(1.0 / self.run_blocks, size=n).tolist():
-                take = min(length, n - len(out))
-                out += q[h:h + take]
-                h += take
-                if len(out) >= n:
-                    break
-                if len(q) - h > n - len(out):
-                    q.append(q[h])  # skip one free block: the next run starts elsewhere
-                    h += 1
-        if h > 65536 and h > len(q) // 2:
-            del q[:h]
-            h = 0
-        self.head = h
-        return tuple(out)
-
-    def give(self, blocks: tuple[int, ...]) -> None:
-        self.queue.extend(blocks)
+# The pool is kept as runs of free ids (sim/pools.py); the old name stays for callers.
+BlockPool = RunPool
 
 
 class PrefixCache:
@@ -490,7 +455,7 @@ class DecodeInstance(Instance):
 
     def on_notifications(self, r: SimRequest) -> None:
         pf = self.sim.prefills[r.prefill]
-        for s in fan_out(pf.layout, self.layout):
+        for s in _fan_out(pf.layout, self.layout):
             for e in self.do(D.Notify(r.id, 0, s.src_rank, s.dst_rank)):
                 if isinstance(e, KVReceived):
                     self.kv_ready(r)
@@ -803,6 +768,10 @@ class Simulation:
         self.rec: Record = record or (lambda e: None)
         self.requests: dict[str, SimRequest] = {}
         self.done: list[SimRequest] = []
+        self.finished_count = 0
+        # where finished requests go instead of `done` (a streaming summary keeps aggregates,
+        # so memory stays flat over a long run)
+        self.sink: Callable[[SimRequest], None] | None = None
         self.prefills = {f"prefill-{i}": PrefillInstance(self, f"prefill-{i}")
                          for i in range(cfg.num_prefill)}
         self.decodes = {f"decode-{i}": DecodeInstance(self, f"decode-{i}")
@@ -824,7 +793,11 @@ class Simulation:
 
     def finished(self, r: SimRequest) -> None:
         self.requests.pop(r.id, None)
-        self.done.append(r)
+        self.finished_count += 1
+        if self.sink is None:
+            self.done.append(r)
+        else:
+            self.sink(r)
         self.rec(RequestFinished(
             at=r.finish, instance=r.decode, request=r.id, output_tokens=r.output,
             ttft=r.first_token - r.arrival,

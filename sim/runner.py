@@ -24,7 +24,7 @@ from kvplane.core.routing import Policy
 from .config import Point, Scenario, load_scenario
 from .costs import SimCosts
 from .engine import EngineConfig, SimRequest, Simulation
-from .metrics import summarize
+from .metrics import StreamingSummary, summarize
 from .workloads import Request, RequestBatch, requests_for_point
 
 
@@ -103,7 +103,7 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
     def finished(nxt: Any) -> None:
         for n in nxt:
             release_later(n)
-        if len(sim.done) >= total and not all_done.triggered:
+        if sim.finished_count >= total and not all_done.triggered:
             all_done.succeed()
 
     def release_later(q: Request) -> None:
@@ -122,12 +122,19 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
 def simulate(point: Point, record: Callable[[Any], None] | None = None,
              drain: bool = True,
              run: Callable[[Simulation, Any, int], None] | None = None,
+             stream: bool = False,
              ) -> tuple[Simulation, dict[str, Any]]:
     """Run one point; return the simulation and its summary (the JSON shape of a point).
-    `run(sim, all_done, total)` replaces `env.run(until=all_done)` (to report progress)."""
+    `run(sim, all_done, total)` replaces `env.run(until=all_done)` (to report progress).
+    `stream`: keep aggregates of finished requests, not the requests (`sim.done` stays
+    empty), so memory stays flat over a long run (`metrics.StreamingSummary`)."""
     costs = SimCosts.from_scenario(point.scenario)
     cfg = engine_config(point, costs)
     sim = Simulation(cfg, costs, record)
+    streamed = None
+    if stream:
+        streamed = StreamingSummary(cfg.decode_layout.block_size)
+        sim.sink = streamed.add
     batch = requests_for_point(point)
     all_done = feed(sim, batch, cfg.decode_layout.block_size)
     wall = time.perf_counter()
@@ -141,9 +148,14 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
     wall = time.perf_counter() - wall
     sc = point.scenario
     warm = sc.warmup_requests / max(len(batch), 1)
-    stats = summarize(sim.done, warmup=warm)
-    runs = [r.runs for r in sim.done if r.runs]
-    blocks = [-(-r.prompt // cfg.decode_layout.block_size) for r in sim.done if r.runs]
+    if streamed is not None:
+        stats = streamed.result(warmup=warm)
+        mean_run_blocks = stats.pop("mean_run_blocks")
+    else:
+        stats = summarize(sim.done, warmup=warm)
+        runs = [r.runs for r in sim.done if r.runs]
+        blocks = [-(-r.prompt // cfg.decode_layout.block_size) for r in sim.done if r.runs]
+        mean_run_blocks = float(np.sum(blocks) / np.sum(runs)) if runs else None
     summary: dict[str, Any] = {
         "label": point.label,
         "mode": point.mode,
@@ -154,10 +166,10 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
         "iteration": point.iteration,
         "seed": point.seed,
         **stats,
-        "mean_run_blocks": float(np.sum(blocks) / np.sum(runs)) if runs else None,
+        "mean_run_blocks": mean_run_blocks,
         "simulated_s": simulated,
         "wall_s": wall,
-        "finished": len(sim.done),
+        "finished": sim.finished_count,
         "submitted": len(batch),
     }
     return sim, summary

@@ -208,3 +208,17 @@ def test_bundled_seeds_load() -> None:
     for name in ("seed_push_vs_pull", "seed_bidirectional"):
         sc = load_scenario(name)
         assert sc.published is not None and sc.assumptions
+
+
+def test_streaming_summary_keeps_no_request_and_gives_the_same_figures() -> None:
+    sc = scenario(MULTI)
+    point = sc.points()[0]
+    _, exact = simulate(point)
+    sim, streamed = simulate(point, stream=True)
+    assert not sim.done and streamed["finished"] == exact["finished"] == sim.finished_count
+    for key, value in exact.items():
+        if key in ("wall_s", "itl_ms"):
+            continue
+        assert json.dumps(streamed[key]) == json.dumps(value), key
+    for q in ("mean", "p50", "p90", "p99"):  # ITL from a histogram of 0.1 %-wide bins
+        assert streamed["itl_ms"][q] == pytest.approx(exact["itl_ms"][q], rel=2e-3)
