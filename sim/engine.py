@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -62,8 +63,6 @@ from kvplane.core.lease import Tick as LeaseTick
 from kvplane.core.plan import KVLayout, fan_out
 from kvplane.core.reuse import RetainedHandle
 from kvplane.core.routing import Load, Policy, choose
-
-from .pools import RunPool
 
 Record = Callable[[Event], None]
 
@@ -161,8 +160,54 @@ def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     return tuple(format(h, "016x") for h in hashes.tolist())
 
 
-# The pool is kept as runs of free ids (sim/pools.py); the old name stays for callers.
-BlockPool = RunPool
+class BlockPool:
+    """Block ids of one instance.
+
+    Free blocks form a queue (freed blocks go to the back). With `run_blocks`, allocation cuts
+    what it hands out into contiguous runs of geometric length with that mean, the
+    fragmentation of a long-running server's pool; without it a fresh pool hands out in order.
+    The queue is an array of ids with a moving head, so allocation costs per run, not per
+    block; an array holds 8 bytes per block where a list of ints held 36 (the 64 pools of
+    219k blocks of the 32P32D scenario: 110 MiB instead of 500).
+    """
+
+    def __init__(self, n: int, run_blocks: float | None, seed: int) -> None:
+        self.queue = array("q", range(n))
+        self.head = 0
+        self.capacity = n
+        self.run_blocks = run_blocks
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def free(self) -> int:
+        return len(self.queue) - self.head
+
+    def take(self, n: int) -> tuple[int, ...] | None:
+        if n > self.free:
+            return None
+        q, h = self.queue, self.head
+        if self.run_blocks is None:
+            out = q[h:h + n]
+            h += n
+        else:
+            out = array("q")
+            for length in self.rng.geometric(1.0 / self.run_blocks, size=n).tolist():
+                take = min(length, n - len(out))
+                out += q[h:h + take]
+                h += take
+                if len(out) >= n:
+                    break
+                if len(q) - h > n - len(out):
+                    q.append(q[h])  # skip one free block: the next run starts elsewhere
+                    h += 1
+        if h > 65536 and h > len(q) // 2:
+            del q[:h]
+            h = 0
+        self.head = h
+        return tuple(out)
+
+    def give(self, blocks: tuple[int, ...]) -> None:
+        self.queue.extend(blocks)
 
 
 class PrefixCache:

@@ -1,5 +1,5 @@
-"""The run-keeping block pool hands out exactly what the block-by-block queue it replaced
-did (kept here as the reference model), for random allocations and frees."""
+"""The simulator's block pool (an array with a moving head) hands out exactly what a plain
+list queue does (the reference model here), for random allocations and frees."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplane.sim.pools import RunPool, _runs_of
+from kvplane.sim.engine import BlockPool
 
 
 class ListPool:
@@ -44,9 +44,9 @@ class ListPool:
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 400), st.sampled_from([None, 1.5, 6.2]), st.integers(0, 2**31),
        st.lists(st.tuples(st.booleans(), st.integers(1, 120), st.booleans()), max_size=60))
-def test_run_pool_matches_the_block_queue(n: int, run_blocks: float | None, seed: int,
+def test_block_pool_matches_the_list_queue(n: int, run_blocks: float | None, seed: int,
                                           ops: list[tuple[bool, int, bool]]) -> None:
-    ref, pool = ListPool(n, run_blocks, seed), RunPool(n, run_blocks, seed)
+    ref, pool = ListPool(n, run_blocks, seed), BlockPool(n, run_blocks, seed)
     held: list[tuple[int, ...]] = []
     for take, size, split in ops:
         if take or not held:
@@ -64,10 +64,4 @@ def test_run_pool_matches_the_block_queue(n: int, run_blocks: float | None, seed
                 ref.give(blocks)
                 pool.give(blocks)
         assert pool.free == len(ref.queue)
-        assert [b for s, ln in pool.runs for b in range(s, s + ln)] == ref.queue
-
-
-def test_runs_of_cuts_at_every_gap() -> None:
-    assert _runs_of(()) == []
-    assert _runs_of((5, 6, 7)) == [(5, 3)]
-    assert _runs_of((5, 6, 9, 10, 3)) == [(5, 2), (9, 2), (3, 1)]
+        assert list(pool.queue[pool.head:]) == ref.queue
