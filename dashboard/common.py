@@ -40,10 +40,9 @@ def db_url() -> str:
 
 @st.cache_resource(show_spinner=False)
 def engine(url: str) -> Engine:
-    # open_store creates or upgrades the schema as every kvplane command does (idempotent), so
-    # a fresh or older database reads as an empty store instead of an error; the dashboard
-    # itself only reads.
-    return open_store(url).engine
+    # The dashboard only reads (read-only: a damaged, foreign or newer store is refused with
+    # a clear error); a missing store is first created empty, as its What-if page fills it.
+    return open_store(url, read_only=True, create_missing=True).engine
 
 
 def _e(url: str) -> Engine:

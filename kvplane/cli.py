@@ -1,12 +1,16 @@
 """The one `kvplane` command. Each sub-command imports its room lazily, so `--help` is fast.
 
 Where things go: the store is `--db URL` or `$KVPLANE_DB`, else `./kvplane.db` (SQLite).
+Commands that only read open it read-only (they never create one). What is wrong with a store
+is one line on stderr and exit code 2; `kvplane --debug` (or KVPLANE_DEBUG=1) adds the traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -39,6 +43,20 @@ AddressOpt = Annotated[
     typer.Option(help="With --engine ray: the Ray cluster to join (host:port, or `auto`); "
                  "default: the one this shell joined, else a private local one."),
 ]
+
+
+_debug = False
+
+
+@app.callback()
+def _global_options(
+    debug: Annotated[bool, typer.Option(
+        "--debug", envvar="KVPLANE_DEBUG",
+        help="Show the traceback of an error (a damaged store, say) as well as its message.")
+    ] = False,
+) -> None:
+    global _debug
+    _debug = debug
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -132,7 +150,7 @@ def runs(db: DbOpt = None) -> None:
     """List the runs in the event store."""
     from kvplane.store import open_store
 
-    with open_store(db) as store:
+    with open_store(db, read_only=True) as store:
         rows = store.runs()
         if not rows:
             typer.echo(f"no runs in {store.url}")
@@ -163,7 +181,7 @@ def replay(
     Exits non-zero when an invariant is violated, printing each violation with its event.
     """
     from kvplane.core.replay import replay as do_replay
-    from kvplane.store import RunNotFound, open_store
+    from kvplane.store import RunNotFound, SequenceGap, open_store
 
     if into is not None:
         if into != "sim":
@@ -179,7 +197,7 @@ def replay(
         typer.echo(f"twin of {run} recorded as run {new}")
         return
 
-    with open_store(db) as store:
+    with open_store(db, read_only=True) as store:
         all_runs = store.runs()
         if run == "latest":
             if not all_runs:
@@ -200,19 +218,22 @@ def replay(
                 typer.echo(f"run {run} ({info.kind}, {info.scenario}): "
                            f"{len(targets) - 1} point runs")
                 continue
-            events = store.events(target.id)
+            gaps: list[SequenceGap] = []  # seqs missing from the store: a violation too
+            events = store.events(target.id, on_gap=gaps.append)
             if target.kind == "live":
                 # instances record concurrently: their events interleave arbitrarily in the
                 # store, so merge them by the time they happened (a stable sort)
                 events = iter(sorted(events, key=lambda e: e.at))
             report = do_replay(events, final=final)
             st = report.state
-            verdict = "ok" if report.ok else f"{len(report.violations)} violation(s)"
+            problems = [f"{g.rule}: {g.missing}" for g in gaps] + [str(v) for v in
+                                                                   report.violations]
+            verdict = f"{len(problems)} violation(s)" if problems else "ok"
             typer.echo(f"  {target.id} {target.scenario}: {st.events} events, "
                        f"{len(st.planned)} transfers, {len(st.leases)} live leases: {verdict}")
-            for v in report.violations[:20]:
-                typer.echo(f"    {v}")
-            bad += not report.ok
+            for p in problems[:20]:
+                typer.echo(f"    {p}")
+            bad += bool(problems)
     if bad:
         typer.secho(f"{bad} run(s) violate an invariant", fg=typer.colors.RED)
         raise typer.Exit(1)
@@ -277,3 +298,13 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:
+        # What is wrong with a store is the user's to fix: one line, unless asked for more.
+        # (kvplane.store is looked up, not imported: if no command loaded it, it raised nothing.)
+        errors = sys.modules.get("kvplane.store.errors")
+        if errors is None or not isinstance(exc, errors.StoreError):
+            raise
+        if _debug or os.environ.get("KVPLANE_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)

@@ -378,7 +378,7 @@ class PrefillInstance(Instance):
         events = self.do(P.Register(r.id, 0, e.instance, e.dst_blocks, layout,
                                     deadline=e.deadline))
         for ev in events:
-            if isinstance(ev, RegistrationDropped):
+            if isinstance(ev, RegistrationDropped) and ev.final:
                 self.sim.decodes[r.decode].do(D.KVFailed(r.id, 0, ev.reason))
         self.start_push(events)
 

@@ -2,6 +2,8 @@
 
 Write side: `open_store(url)` -> `EventStore` (`create_run`, `append`, `events`, `count`, ...)
 and the recorders drivers feed (`NullRecorder`, `ListRecorder`, `BatchingRecorder`).
+Commands that only read use `open_store(url, read_only=True)`; the errors in `errors.py` say
+what is wrong with a store (missing, damaged, foreign, newer) or with a run being read.
 Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_table`.
 """
 
@@ -9,7 +11,21 @@ from __future__ import annotations
 
 from .encoding import EncodedEvent, encode_batch, encode_event
 from .engine import DEFAULT_URL, ENV_VAR, make_engine, resolve_url
-from .errors import EventRefused, RecorderError, RunNotFound, StoreError
+from .errors import (
+    EventRefused,
+    NotAStore,
+    RecorderError,
+    RunNotFound,
+    RunTooNew,
+    SequenceGap,
+    StoredEventUnreadable,
+    StoreError,
+    StoreMissing,
+    StoreOutdated,
+    StoreReadOnly,
+    StoreTooNew,
+    StoreUnreadable,
+)
 from .event_store import EventStore, RunInfo, open_store
 from .migrate import current_revision, head_revision, model_drift, upgrade
 from .recorders import BatchingRecorder, ListRecorder, NullRecorder, Recorder
@@ -25,6 +41,7 @@ __all__ = [
     "EventRow",
     "EventStore",
     "ListRecorder",
+    "NotAStore",
     "NullRecorder",
     "Recorder",
     "RecorderError",
@@ -32,7 +49,15 @@ __all__ = [
     "RunKind",
     "RunNotFound",
     "RunRow",
+    "RunTooNew",
+    "SequenceGap",
     "StoreError",
+    "StoreMissing",
+    "StoreOutdated",
+    "StoreReadOnly",
+    "StoreTooNew",
+    "StoreUnreadable",
+    "StoredEventUnreadable",
     "current_revision",
     "encode_batch",
     "encode_event",

@@ -10,6 +10,10 @@ Rules kept here:
   really is one (reads included), and so that writers can ask for `BEGIN IMMEDIATE`: a batch
   takes the write lock before it reads the next seq, and concurrent writers queue on the busy
   timeout instead of failing with "database is locked" half-way through.
+- Read-only (`read_only=True`, for commands that only read): a SQLite file is opened with
+  `mode=ro`, so a missing file is an error instead of a new, empty database, and nothing
+  can be written through it; PostgreSQL sessions start with `default_transaction_read_only`.
+  The WAL pragma is not sent (a read-only connection cannot change the journal mode).
 - `sqlite://` (in memory) is one connection shared by every thread (else each pooled
   connection would see its own empty database): fine for tests, but do not read from one
   thread while a recorder writes from another; use a file for anything concurrent.
@@ -18,6 +22,9 @@ Rules kept here:
 from __future__ import annotations
 
 import os
+import sqlite3
+from functools import partial
+from pathlib import Path
 from typing import Any, Final
 
 from sqlalchemy import Engine, create_engine, event
@@ -48,31 +55,49 @@ def is_sqlite(url: URL) -> bool:
     return url.get_backend_name() == "sqlite"
 
 
-def make_engine(url: str | URL | None = None, *, echo: bool = False) -> Engine:
+def sqlite_file(url: URL) -> str | None:
+    """The file of a SQLite URL, as given (None for PostgreSQL and in-memory SQLite)."""
+    if not is_sqlite(url) or url.database in (None, "", ":memory:"):
+        return None
+    return url.database
+
+
+def make_engine(
+    url: str | URL | None = None, *, echo: bool = False, read_only: bool = False
+) -> Engine:
     """An engine for `url` (resolved as above), with the SQLite settings applied."""
     resolved = resolve_url(url)
     if not is_sqlite(resolved):
-        return create_engine(resolved, echo=echo, pool_pre_ping=True)
+        connect_args = {"options": "-c default_transaction_read_only=on"} if read_only else {}
+        return create_engine(resolved, echo=echo, pool_pre_ping=True, connect_args=connect_args)
     kwargs: dict[str, Any] = {"connect_args": {"timeout": _BUSY_TIMEOUT_S}}
-    if resolved.database in (None, "", ":memory:"):
+    path = sqlite_file(resolved)
+    if path is None:
         # One shared connection, or every pooled connection would see its own empty database.
         kwargs = {
             "connect_args": {"check_same_thread": False},
             "poolclass": StaticPool,
         }
+    elif read_only:
+        # A URI, so that SQLite itself refuses to create the file or write to it.
+        uri = Path(path).absolute().as_uri() + "?mode=ro"
+        kwargs["creator"] = partial(
+            sqlite3.connect, uri, uri=True, timeout=_BUSY_TIMEOUT_S, check_same_thread=False
+        )
     engine = create_engine(resolved, echo=echo, **kwargs)
-    event.listen(engine, "connect", _sqlite_on_connect)
+    event.listen(engine, "connect", partial(_sqlite_on_connect, read_only=read_only))
     event.listen(engine, "begin", _sqlite_on_begin)
     return engine
 
 
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any, *, read_only: bool) -> None:
     # Hand transaction control to SQLAlchemy's "begin" event below (pysqlite would otherwise
     # begin lazily, only before writes).
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("PRAGMA journal_mode=WAL")
+        if not read_only:
+            cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")

@@ -3,6 +3,11 @@
 Rules kept here:
 - `open_store(url)` resolves the URL (see `engine.py`), migrates the database to the newest
   schema and returns an `EventStore`; opening the same database twice changes nothing.
+- `open_store(url, read_only=True)` is for commands that only read: it creates nothing,
+  migrates nothing and writes nothing (a write raises `StoreReadOnly`), and a store that is
+  missing, damaged, another application's or from a newer kvplane is refused on open with an
+  error saying so (`diagnose.py`); a store damaged further in is reported the same way when a
+  read reaches the damage.
 - A run is created once, with a kind (sim, live, replay, import), a scenario, an optional
   parent run and JSON `meta`; it remembers the event `SCHEMA_VERSION` it was recorded under.
 - `append` checks every event of a batch first (`encoding.encode_batch`); one unfit event
@@ -13,7 +18,10 @@ Rules kept here:
   lock is taken at `BEGIN IMMEDIATE`), so two writers never hand out the same seq.
 - `events` streams rows in seq order through a server-side cursor (PostgreSQL) or chunked
   fetches (SQLite) and decodes each with the core's `decode`, so a long run is never loaded
-  whole.
+  whole. It refuses a run recorded under a newer event `SCHEMA_VERSION` (`RunTooNew`), names
+  the run, seq and type of a stored event that cannot be rebuilt (`StoredEventUnreadable`),
+  and, reading a whole run, notices seqs missing between two it meets (`SequenceGap`: raised,
+  or handed to `on_gap` so a replay can report it and go on).
 - Deleting a run deletes its events; its child runs stay, with their parent set to none.
 
 The read side for dashboards is `EventStore.engine` plus `schema.runs_table` and
@@ -24,9 +32,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Self, cast
 
@@ -35,19 +45,30 @@ from sqlalchemy import (
     Engine,
     RowMapping,
     Select,
+    Text,
     delete,
     func,
     insert,
     select,
+    type_coerce,
     update,
 )
 from sqlalchemy.engine import URL
 
 from ._core import EVENT_TYPES, SCHEMA_VERSION, Event, SchemaError, decode
 from .bulk import bulk_insert
+from .diagnose import check_schema, reading, require_file
 from .encoding import EncodedEvent, encode_batch
-from .engine import WRITE_LOCK, make_engine
-from .errors import RunNotFound
+from .engine import WRITE_LOCK, make_engine, resolve_url, sqlite_file
+from .errors import (
+    RunNotFound,
+    RunTooNew,
+    SequenceGap,
+    StoredEventUnreadable,
+    StoreMissing,
+    StoreReadOnly,
+    StoreUnreadable,
+)
 from .migrate import upgrade
 from .schema import RUN_KINDS, RunKind, events_table, runs_table
 
@@ -68,15 +89,19 @@ class RunInfo:
 
 
 EventTypes = str | type[Event] | Iterable[str | type[Event]]
+OnGap = Callable[[SequenceGap], None]
 
 
 class EventStore:
     """Runs and their events in one database; see the module docstring for the rules."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, read_only: bool = False) -> None:
         """Wrap an engine whose database is already migrated (`open_store` does both)."""
         self._engine = engine
         self._writer = engine.execution_options(**{WRITE_LOCK: True})
+        self.read_only = read_only
+        self._file = sqlite_file(engine.url)
+        self._where = self._file if self._file is not None else self.url
 
     # --- the read side for aggregate SQL ---
 
@@ -102,6 +127,7 @@ class EventStore:
         started: datetime | None = None,
     ) -> str:
         """Start a run and return its id (a fresh UUID unless `run_id` is given)."""
+        self._writable()
         if kind not in RUN_KINDS:
             raise ValueError(f"run kind must be one of {RUN_KINDS}, not {kind!r}")
         meta_dict = dict(meta or {})
@@ -132,22 +158,23 @@ class EventStore:
 
     def runs(self, kind: RunKind | None = None) -> list[RunInfo]:
         """Every run (of one kind, if given), oldest first."""
-        stmt = select(runs_table).order_by(runs_table.c.started, runs_table.c.id)
+        stmt = _runs_select().order_by(runs_table.c.started, runs_table.c.id)
         if kind is not None:
             stmt = stmt.where(runs_table.c.kind == kind)
-        with self._engine.connect() as conn:
+        with self._reading(), self._engine.connect() as conn:
             return [_run_info(row._mapping) for row in conn.execute(stmt)]
 
     def run(self, run_id: str) -> RunInfo:
         """One run, or `RunNotFound`."""
-        with self._engine.connect() as conn:
-            row = conn.execute(select(runs_table).where(runs_table.c.id == run_id)).first()
+        with self._reading(), self._engine.connect() as conn:
+            row = conn.execute(_runs_select().where(runs_table.c.id == run_id)).first()
         if row is None:
             raise RunNotFound(run_id)
         return _run_info(row._mapping)
 
     def delete_run(self, run_id: str) -> int:
         """Delete a run and its events (children are kept, orphaned); the events deleted."""
+        self._writable()
         with self._writer.begin() as conn:
             self._require_run(conn, run_id)
             conn.execute(
@@ -165,6 +192,7 @@ class EventStore:
 
     def append_encoded(self, run_id: str, rows: Sequence[EncodedEvent]) -> range:
         """`append` for rows already checked by `encoding.encode_event` (recorders use it)."""
+        self._writable()
         with self._writer.begin() as conn:
             # Lock the run's row first, so concurrent appenders to one run queue here
             # (PostgreSQL; on SQLite BEGIN IMMEDIATE already made this the only writer). The
@@ -186,11 +214,18 @@ class EventStore:
         return range(first, first + len(rows))
 
     def events(
-        self, run_id: str, types: EventTypes | None = None, request: str | None = None
+        self,
+        run_id: str,
+        types: EventTypes | None = None,
+        request: str | None = None,
+        *,
+        on_gap: OnGap | None = None,
     ) -> Iterator[Event]:
         """The run's events in seq order, optionally only some types and/or one request.
 
-        `RunNotFound` is raised here, at the call; the events themselves stream lazily.
+        `RunNotFound` and `RunTooNew` are raised here, at the call; the events themselves
+        stream lazily. Reading the whole run (no filter), seqs missing between two events are
+        a `SequenceGap`: raised where it is met, or, given `on_gap`, handed to it and read on.
         """
         stmt = self._filtered(
             select(
@@ -199,20 +234,23 @@ class EventStore:
                 events_table.c.type,
                 events_table.c.request,
                 events_table.c.instance,
-                events_table.c.payload,
+                # as text: a payload that is not JSON is reported by us, naming the event
+                type_coerce(events_table.c.payload, Text),
             ),
             run_id,
             types,
             request,
         ).order_by(events_table.c.seq)
-        with self._engine.connect() as conn:
-            self._require_run(conn, run_id)
-        return self._stream(run_id, stmt)
+        version = self.run(run_id).schema_version
+        if version > SCHEMA_VERSION:
+            raise RunTooNew(run_id, version, SCHEMA_VERSION)
+        whole = types is None and request is None
+        return self._stream(run_id, stmt, whole=whole, on_gap=on_gap)
 
     def count(self, run_id: str, types: EventTypes | None = None) -> int:
         """How many events the run holds (of the given types, if any)."""
         stmt = self._filtered(select(func.count()).select_from(events_table), run_id, types)
-        with self._engine.connect() as conn:
+        with self._reading(), self._engine.connect() as conn:
             self._require_run(conn, run_id)
             return int(conn.execute(stmt).scalar_one())
 
@@ -237,14 +275,27 @@ class EventStore:
 
     # --- helpers ---
 
-    def _stream(self, run_id: str, stmt: Select[Any]) -> Iterator[Event]:
-        with self._engine.connect() as conn:
+    def _writable(self) -> None:
+        if self.read_only:
+            raise StoreReadOnly(f"the store at {self._where} was opened read-only")
+
+    def _reading(self) -> AbstractContextManager[None]:
+        return reading(self._where, self._file)
+
+    def _stream(
+        self, run_id: str, stmt: Select[Any], *, whole: bool, on_gap: OnGap | None
+    ) -> Iterator[Event]:
+        expected = 0
+        with self._reading(), self._engine.connect() as conn:
             result = conn.execution_options(yield_per=_STREAM_CHUNK).execute(stmt)
-            for seq, time, type_name, request, instance, payload in result:
-                try:
-                    yield decode(type_name, payload, at=time, instance=instance, request=request)
-                except SchemaError as exc:
-                    raise SchemaError(f"run {run_id} seq {seq}: {exc}") from exc
+            for seq, time, type_name, request, instance, raw in result:
+                if whole and seq != expected:
+                    gap = SequenceGap(run_id, expected, seq - 1)
+                    if on_gap is None:
+                        raise gap
+                    on_gap(gap)
+                expected = seq + 1
+                yield _decode_row(run_id, seq, time, type_name, request, instance, raw)
 
     @staticmethod
     def _filtered(
@@ -263,15 +314,63 @@ class EventStore:
             raise RunNotFound(run_id)
 
 
-def open_store(url: str | URL | None = None, *, echo: bool = False) -> EventStore:
-    """Open (creating and migrating as needed) the store at `url`, `$KVPLANE_DB` or the default."""
-    engine = make_engine(url, echo=echo)
+def open_store(
+    url: str | URL | None = None,
+    *,
+    echo: bool = False,
+    read_only: bool = False,
+    create_missing: bool = False,
+) -> EventStore:
+    """Open (creating and migrating as needed) the store at `url`, `$KVPLANE_DB` or the default.
+
+    `read_only=True`: open an existing store for reading only, creating and migrating nothing;
+    `StoreMissing`, `StoreUnreadable`, `NotAStore`, `StoreTooNew` or `StoreOutdated` say what
+    is wrong otherwise. `create_missing=True` with it: a missing store is first created empty
+    (for a reader that fills it through a writer of its own, such as the dashboard's what-if).
+    """
+    resolved = resolve_url(url)
+    file = sqlite_file(resolved)
+    where = file if file is not None else resolved.render_as_string(hide_password=True)
+    if read_only:
+        if create_missing and (file is None or not Path(file).exists()):
+            open_store(resolved).close()
+        if file is not None:
+            require_file(file)
+        elif resolved.get_backend_name() == "sqlite":
+            raise StoreMissing(where, "an in-memory database holds no store to read")
+    engine = make_engine(resolved, echo=echo, read_only=read_only)
     try:
-        upgrade(engine)
+        with reading(where, file):
+            if read_only:
+                with engine.connect() as conn:
+                    check_schema(conn, where)
+            else:
+                upgrade(engine)
     except BaseException:
         engine.dispose()
         raise
-    return EventStore(engine)
+    return EventStore(engine, read_only=read_only)
+
+
+def _runs_select() -> Select[Any]:
+    # meta as text: a damaged meta is reported by us, naming the run
+    columns = [type_coerce(c, Text).label(c.name) if c.name == "meta" else c for c in runs_table.c]
+    return select(*columns)
+
+
+def _decode_row(
+    run_id: str, seq: int, time: float, type_name: str, request: str | None, instance: str,
+    raw: Any,
+) -> Event:  # fmt: skip
+    try:
+        payload = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError as exc:
+        reason = f"its payload is not JSON ({exc})"
+        raise StoredEventUnreadable(run_id, seq, type_name, reason) from exc
+    try:
+        return decode(type_name, payload, at=time, instance=instance, request=request)
+    except SchemaError as exc:
+        raise StoredEventUnreadable(run_id, seq, type_name, str(exc)) from exc
 
 
 def _type_names(types: EventTypes) -> list[str]:
@@ -287,6 +386,11 @@ def _type_names(types: EventTypes) -> list[str]:
 
 def _run_info(row: RowMapping) -> RunInfo:
     started: datetime = row["started"]
+    raw_meta = row["meta"]
+    try:
+        meta = json.loads(raw_meta) if isinstance(raw_meta, str) else raw_meta
+    except ValueError as exc:
+        raise StoreUnreadable(f"run {row['id']}: its meta is not JSON ({exc})") from None
     # SQLite hands back naive datetimes (we only ever store UTC); PostgreSQL, session time.
     started = started.replace(tzinfo=UTC) if started.tzinfo is None else started.astimezone(UTC)
     return RunInfo(
@@ -295,6 +399,6 @@ def _run_info(row: RowMapping) -> RunInfo:
         scenario=row["scenario"],
         started=started,
         parent=row["parent"],
-        meta=row["meta"],
+        meta=meta,
         schema_version=row["schema_version"],
     )

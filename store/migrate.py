@@ -8,6 +8,10 @@ Rules kept here:
   once neither race nor leave half a schema: PostgreSQL takes a transaction-scoped advisory
   lock, SQLite takes the write lock with `BEGIN IMMEDIATE`.
 - Alembic's version table is `schema_meta` (see `schema.VERSION_TABLE`).
+- A database at a revision this kvplane does not know was migrated by a newer kvplane:
+  `upgrade` refuses it with `StoreTooNew` before Alembic looks for the revision, and
+  `check_revision` (the read-only open) does the same; an older revision read-only is
+  `StoreOutdated`, since only a writer may migrate.
 - A new revision is written by hand next to `0001_initial.py` (`revision`, `down_revision`,
   `upgrade()`), together with the model change in `schema.py`; `model_drift(engine)` lists any
   difference between a migrated database and the models, and a test insists it is empty.
@@ -26,6 +30,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 
 from .engine import WRITE_LOCK
+from .errors import StoreOutdated, StoreTooNew
 from .schema import VERSION_TABLE, metadata
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
@@ -46,10 +51,30 @@ def head_revision() -> str:
     return head
 
 
+def known_revisions() -> set[str]:
+    """Every revision in `migrations/versions`."""
+    return {rev.revision for rev in ScriptDirectory.from_config(_config()).walk_revisions()}
+
+
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
-        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-        return context.get_current_revision()
+        return revision_of(connection)
+
+
+def revision_of(connection: Connection) -> str | None:
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return context.get_current_revision()
+
+
+def check_revision(revision: str | None, where: str, *, read_only: bool) -> None:
+    """`StoreTooNew` for a revision we do not know; read-only, `StoreOutdated` for an old one."""
+    if revision is None:
+        return
+    if revision not in known_revisions():
+        raise StoreTooNew(revision)
+    head = head_revision()
+    if read_only and revision != head:
+        raise StoreOutdated(where, revision, head)
 
 
 def upgrade(engine: Engine) -> None:
@@ -61,6 +86,7 @@ def upgrade(engine: Engine) -> None:
             connection.execute(
                 text("SELECT pg_advisory_xact_lock(:key)"), {"key": _ADVISORY_LOCK_KEY}
             )
+        check_revision(revision_of(connection), str(engine.url), read_only=False)
         _run_upgrade(config, script, connection)
 
 

@@ -15,7 +15,9 @@ Rules kept here:
   away at the end. `stop()` shuts it down and removes the directory.
 
 Used by `tests/conftest.py` (fixtures `postgres_server`, `postgres_url`) and by
-`benchmarks/store_write.py`; `python -m kvplane.store.pg_temp` starts one until Ctrl-C.
+`benchmarks/store_write.py`; `python -m kvplane.store.pg_temp` starts one, prints its URL,
+and stops it on Ctrl-C (SIGINT), SIGTERM or SIGHUP, leaving no server and no directory behind
+(the server is a daemon of its own, so stopping it is ours to do, on every way out).
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
-from types import TracebackType
-from typing import Final, Self
+from types import FrameType, TracebackType
+from typing import Final, NoReturn, Self
 
 from sqlalchemy.engine import URL
 
@@ -152,10 +155,22 @@ class TemporaryPostgres:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, from its data directory (None when it is not running)."""
+        if self.root is None:
+            return None
+        try:
+            return int((self.root / "data" / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
     def stop(self) -> None:
         if self.root is None:
             return
-        if self.started and self.bin_dir is not None:
+        # Also when start() was interrupted after pg_ctl launched the server.
+        running = self.started or (self.root / "data" / "postmaster.pid").exists()
+        if running and self.bin_dir is not None:
             try:
                 self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "immediate", "-w",
                           "stop")  # fmt: skip
@@ -197,11 +212,35 @@ class TemporaryPostgres:
             )
 
 
-if __name__ == "__main__":
-    with TemporaryPostgres() as server:
+_STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> NoReturn:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def serve() -> None:
+    """Run one server until a stop signal; then stop it and remove its directory."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _interrupt)
+    server = TemporaryPostgres()
+    try:
+        server.start()
         print(server.url(), flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        print(f"PostgreSQL pid {server.pid}, data in {server.root}; Ctrl-C or SIGTERM stops it",
+              file=sys.stderr, flush=True)  # fmt: skip
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
+    except PostgresUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        for signum in _STOP_SIGNALS:  # a second signal must not cut the clean-up short
+            signal.signal(signum, signal.SIG_IGN)
+        server.stop()
+
+
+if __name__ == "__main__":
+    serve()

@@ -26,10 +26,12 @@ KV. Both run a fixed, derandomized set in CI; `KVPLANE_CORE_EXAMPLES=N` searches
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, given, note, settings
+import pytest
+from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 from kvplane_core_harness import D, Msg, P, Pair, PoolExhausted, PullMeta, layout, lease_of
 
@@ -37,7 +39,9 @@ from kvplane.core import decode as dc
 from kvplane.core import lease as ls
 from kvplane.core import prefill as pf
 from kvplane.core import sessions as ss
-from kvplane.core.events import KVLoadFailed, KVReceived, encode, validate
+from kvplane.core.errors import ProtocolError
+from kvplane.core.events import Event, KVLoadFailed, KVReceived, encode, validate
+from kvplane.core.machine import Machine
 from kvplane.core.replay import replay
 
 LAYOUTS = [
@@ -73,13 +77,16 @@ WEIGHTS = {
     "deliver": 16, "land": 10, "complete": 8, "allocate": 8, "finish": 10, "expect": 8,
     "reuse": 8, "new": 4, "advance": 3, "tick": 3, "abort": 2, "preempt": 2, "reissue": 2,
     "duplicate": 4, "fail": 2, "heartbeat": 1, "release": 1, "grow": 1, "expire": 1,
-    "renew": 1, "late-fail": 2, "jump": 2,
+    "renew": 1, "late-fail": 2, "jump": 2, "time": 2,
 }
 
 
 class World:
-    def __init__(self, pair: Pair) -> None:
+    def __init__(self, pair: Pair, weights: dict[str, int] = WEIGHTS,
+                 max_requests: int = MAX_REQUESTS) -> None:
         self.pair = pair
+        self.weights = weights
+        self.max_requests = max_requests
         self.reqs: list[Req] = []
         self.outcomes: list[str] = []  # of reuse attempts
 
@@ -89,7 +96,7 @@ class World:
         by: dict[str, list[Step]] = {}
         for name, step in self.steps():
             by.setdefault(name.split(" ")[0], []).append((name, step))
-        return [by[k] for k in sorted(by) for _ in range(WEIGHTS[k])]
+        return [by[k] for k in sorted(by) for _ in range(self.weights[k])]
 
     def steps(self) -> list[Step]:
         pr, out = self.pair, []
@@ -97,7 +104,9 @@ class World:
         out += [("tick P", lambda: pr.p(pf.Tick())), ("tick D", lambda: pr.d(dc.Tick())),
                 ("expire R", lambda: pr.r(ss.Expire()))]
         out += [(f"jump {dt}", lambda dt=dt: setattr(pr, "jump", dt)) for dt in (0.5, 2.0)]
-        if len(self.reqs) < MAX_REQUESTS:
+        # an engine loop's pace: a little time passes and both sides tick their time-outs
+        out.append(("time 0.3", lambda: (pr.advance(0.3), pr.p(pf.Tick()), pr.d(dc.Tick()))))
+        if len(self.reqs) < self.max_requests:
             for kind in ("push", "pull", "reuse"):
                 for n in PROMPTS:
                     out.append((f"new {kind} {n}", lambda k=kind, n=n: self.new(k, n)))
@@ -242,6 +251,78 @@ def walk(data: st.DataObject, layouts: tuple[object, object], seed: int) -> None
         encode(e)
 
 
+# Disruptions while transfers are in flight. The open walk above reaches a transfer in flight,
+# then has to stumble on a re-issue, a duplicate, a failure report or a clock jump before time
+# lands it; these walks start from transfers already in flight (a push matched early or just
+# before decode's deadline, a pull READ, a reuse READ) and draw only among what can disturb
+# them, so the orders that broke the core before are found in tens of walks.
+DISRUPT = ("reissue", "duplicate Msg(to='P', cmd=Register", "duplicate Msg(to='D', cmd=KVFailed",
+           "deliver", "abort", "time", "finish D", "land", "complete", "fail", "late-fail",
+           "jump", "expect", "finish P", "allocate", "release", "heartbeat")
+# how often each kind comes up: what disturbs a transfer more often than what ends it
+DISRUPT_WEIGHTS = {
+    "reissue": 3, "duplicate": 4, "deliver": 5, "abort": 1, "time": 4, "finish": 3, "land": 1,
+    "complete": 1, "fail": 1, "late-fail": 3, "jump": 2, "expect": 1, "allocate": 1,
+    "release": 1, "heartbeat": 1,
+}
+
+
+def in_flight(world: World, rng: random.Random) -> None:
+    """Bring one push, one pull and (when a turn is retained) one reuse to a transfer in flight."""
+    pr = world.pair
+    world.new("push", 72)
+    push = world.reqs[-1]
+    pr.p(pf.Allocate(push.id, 0, pr.take_blocks(P, pr.p_layout.blocks_for(push.tokens))))
+    world.expect(push)
+    pr.deliver_all()  # the registration waits at prefill
+    pr.advance(rng.choice([0.0, 1.5, 3.2, 3.6]))  # matched early, or just before the deadline
+    pr.p(pf.FinishPrefill(push.id, 0, push.tokens))  # matched: the WRITE is in flight
+    world.new("pull", 40)
+    pull = world.reqs[-1]
+    pr.p(pf.Allocate(pull.id, 0, pr.take_blocks(P, pr.p_layout.blocks_for(pull.tokens))))
+    pr.p(pf.FinishPrefill(pull.id, 0, pull.tokens, mode="pull", hold_ttl=pr.hold_ttl))
+    pr.deliver_all()  # relayed: decode's READ is in flight
+    if pr.router.handles:
+        world.new("reuse", 100)
+        world.reuse(world.reqs[-1])
+
+
+@settings(max_examples=DEEP or 300, deadline=None, derandomize=not DEEP,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(rng=st.randoms(use_true_random=False))
+def test_disruptions_of_transfers_in_flight_keep_every_invariant(rng: random.Random) -> None:
+    disrupted_walk(rng)
+
+
+def disrupted_walk(rng: random.Random) -> None:
+    """Every choice comes from one drawn generator, uniformly: Hypothesis' own draws lean to
+    small values and first options, which keeps a walk in a few kinds of step; these walks want
+    every kind, layout and delay equally often. A failure still replays from its seed."""
+    p_layout, d_layout = rng.choice(LAYOUTS)
+    pair = Pair(p_layout, d_layout, pool=128, seed=rng.randint(0, 3), kv_timeout=4.0,
+                hold_timeout=4.0, hold_ttl=3.0)
+    world = World(pair, max_requests=3)
+    if rng.random() < 0.5:  # a turn retained before: a reuse READ joins the flights
+        pair.push_request("r-first", 100, retain=pair.retain(
+            "r-first", "t1", "c1", TOKENS[:100], ttl=20.0, renewable=True))
+    in_flight(world, rng)
+    for _ in range(rng.randint(3, 30)):
+        by: dict[str, list[Step]] = {}
+        for s in world.steps():
+            if s[0].startswith(DISRUPT):
+                by.setdefault(s[0].split(" ")[0], []).append(s)
+        kinds = [by[k] for k in sorted(by) for _ in range(DISRUPT_WEIGHTS[k])]
+        name, step = rng.choice(rng.choice(kinds))
+        note(f"t={pair.now:.2f} {name}")
+        try:
+            step()
+        except PoolExhausted:
+            note("    (pool exhausted: skipped)")
+    check(pair, final=False)
+    pair.quiesce()
+    check(pair, final=True)
+
+
 PROGRESS = ("allocate", "finish P", "expect", "deliver", "land", "complete", "reuse")
 CALM = ("new", "duplicate", "reissue", *PROGRESS)
 
@@ -286,8 +367,6 @@ def test_world_reaches_every_kind_of_step() -> None:
     pair = Pair(pool=128)
     world = World(pair)
     seen: set[str] = set()
-    import random
-
     rng = random.Random(7)
     for _ in range(3000):
         name, step = rng.choice(rng.choice(world.kinds()))
@@ -305,10 +384,72 @@ def test_world_reaches_every_kind_of_step() -> None:
     check(pair, final=True)
     want = {"advance", "tick", "expire", "new", "reuse", "allocate", "finish", "preempt",
             "expect", "grow", "abort", "reissue", "deliver", "duplicate", "land", "complete",
-            "fail", "heartbeat", "release", "renew", "late-fail", "jump"}
+            "fail", "heartbeat", "release", "renew", "late-fail", "jump", "time"}
     assert want <= seen, want - seen
 
 
 def test_lease_of_names() -> None:
     assert lease_of("r0", 1) == "D/r0#1/kv"
     assert isinstance(Msg(P, None), Msg)
+
+
+# --- the walks find the bugs reviewers found by hand -----------------------------------------------
+# Each entry puts one old behaviour back (as it was before the adversarial review) and the
+# disrupted walks must then fail: proof that the generators reach those orders by themselves.
+
+
+def _old_register(self: pf.PrefillCore, cmd: pf.Register, now: float) -> list[Event]:
+    """Before: the stale-attempt check ran first, so a copy of a registration whose WRITE is in
+    flight, arriving after a re-issue, was dropped for good and decode was told "no KV"."""
+    if cmd.attempt < self.latest.get(cmd.request, cmd.attempt):
+        return [self._dropped(now, cmd.request, cmd.attempt, "stale attempt")]
+    return NEW_REGISTER(self, cmd, now)
+
+
+def _old_kv_failed(self: dc.DecodeCore, cmd: dc.KVFailed, now: float) -> list[Event]:
+    """Before: a failure report was taken even while decode's own pull READ was in flight."""
+    key = (cmd.request, cmd.attempt)
+    out: list[Event] = [KVLoadFailed(at=now, instance=self.instance, request=cmd.request,
+                                     attempt=cmd.attempt, reason=cmd.reason)]
+    if self.entries[key].phase == "aborting":
+        out += self._free(now, key, "aborted; KV will not come")
+    return out
+
+
+NEW_REGISTER = pf.PrefillCore._register
+
+
+def _patch_register(mp: pytest.MonkeyPatch) -> None:
+    for key in [k for k in pf.TABLE if k[1] is pf.Register]:
+        mp.setitem(pf.TABLE, key, _old_register)
+
+
+def _patch_kv_failed(mp: pytest.MonkeyPatch) -> None:
+    for phase in ("awaiting_kv", "aborting"):
+        mp.setitem(dc.TABLE, (phase, dc.KVFailed), _old_kv_failed)
+
+
+OLD_BUGS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
+    "duplicate registration after a re-issue dropped as stale": _patch_register,
+    "zero write margin": lambda mp: mp.setattr(
+        pf.PrefillCore, "_late", lambda self, now, reg: reg.deadline is not None
+        and now >= reg.deadline),
+    "KVFailed taken under decode's own READ": _patch_kv_failed,
+    "time going backwards inside a machine": lambda mp: mp.setattr(
+        Machine, "now_of", lambda self, now: now),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(OLD_BUGS))
+def test_the_disrupted_walks_find_each_old_bug(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    OLD_BUGS[bug](monkeypatch)
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(rng=st.randoms(use_true_random=False))
+    def walks(rng: random.Random) -> None:
+        disrupted_walk(rng)
+
+    # a violation or hazard (AssertionError) or a machine refusing what followed (ProtocolError)
+    with pytest.raises((AssertionError, ProtocolError)):
+        walks()
