@@ -62,7 +62,7 @@ def core_and_store_verdicts(event: Event) -> tuple[bool, bool]:
     return core_ok, store_ok
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(any_event)
 def test_fast_check_accepts_every_well_formed_event(event: Event) -> None:
     name = type(event).__name__
@@ -75,7 +75,7 @@ def test_fast_check_accepts_every_well_formed_event(event: Event) -> None:
     assert json.loads(row["payload_json"]) == row["payload"]  # the text written is the payload
 
 
-@settings(max_examples=1500, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(broken_event())
 def test_store_never_accepts_what_the_core_refuses(event: Event) -> None:
     core_ok, store_ok = core_and_store_verdicts(event)
