@@ -223,13 +223,8 @@ class PrefixCache:
         self.clock = 0
 
     def leading_hits(self, hashes: list[int]) -> int:
-        n = 0
-        stamp = self.stamp
-        for h in hashes:
-            if h not in stamp:
-                break
-            n += 1
-        return n
+        # C-level: takewhile over the dict's own membership test, no Python loop per block
+        return len(list(itertools.takewhile(self.stamp.__contains__, hashes)))
 
     def touch(self, hashes: list[int]) -> None:
         self.clock += 1
