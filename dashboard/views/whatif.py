@@ -90,7 +90,7 @@ def render(url: str, table: pd.DataFrame) -> None:
         bidi = c1.checkbox("Reuse (bidirectional)", bool(con["bidirectional"]), key=k("bidi"))
         qps = c2.number_input("QPS (multi-turn: conversations/s)", 0.0001, 1000.0, qps0,
                               format="%.4g", key=k("qps"))
-        requests = c2.number_input("Requests", 1, 100_000, n0, step=10, key=k("requests"))
+        requests = c2.number_input("Requests", 1, 1_000_000, n0, step=10, key=k("requests"))
         in_len = c3.number_input("Input length (first prompt)", 1, 1_000_000, max(in0, 1),
                                  step=256, disabled=in0 == 0, key=k("in"))
         out_len = c3.number_input("Output length", 1, 100_000, max(out0, 1), step=16,
