@@ -119,23 +119,29 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
     return all_done
 
 
+STREAM_ABOVE = 100_000  # requests; a longer run streams its finished requests by default
+
+
 def simulate(point: Point, record: Callable[[Any], None] | None = None,
              drain: bool = True,
              run: Callable[[Simulation, Any, int], None] | None = None,
-             stream: bool = False,
+             stream: bool | None = None,
              ) -> tuple[Simulation, dict[str, Any]]:
     """Run one point; return the simulation and its summary (the JSON shape of a point).
     `run(sim, all_done, total)` replaces `env.run(until=all_done)` (to report progress).
     `stream`: keep aggregates of finished requests, not the requests (`sim.done` stays
-    empty), so memory stays flat over a long run (`metrics.StreamingSummary`)."""
+    empty), so memory stays flat over a long run (`metrics.StreamingSummary`); by default
+    only for runs of more than `STREAM_ABOVE` requests."""
     costs = SimCosts.from_scenario(point.scenario)
     cfg = engine_config(point, costs)
     sim = Simulation(cfg, costs, record)
+    batch = requests_for_point(point)
+    if stream is None:
+        stream = len(batch) > STREAM_ABOVE
     streamed = None
     if stream:
         streamed = StreamingSummary(cfg.decode_layout.block_size)
         sim.sink = streamed.add
-    batch = requests_for_point(point)
     all_done = feed(sim, batch, cfg.decode_layout.block_size)
     wall = time.perf_counter()
     if run is None:
