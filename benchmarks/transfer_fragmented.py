@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype-bytes", type=int, default=2)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--slot-mib", type=int, default=None, help="staging slot (64 cuda, 4 cpu)")
-    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--slot-mib", type=int, default=None, help="staging slot (256 cuda, 4 cpu)")
+    ap.add_argument("--slots", type=int, default=None, help="send (and receive) slots "
+                    "(4 cuda, 8 cpu)")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--modes", default="contiguous,direct,staged,auto,bstaged,bauto",
                     help="comma-separated: contiguous, direct, staged, auto (run lists), "
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the steps of the last staged transfer on both sides")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (16384 if args.device == "cuda" else 2048)
-    args.slot_mib = args.slot_mib or (64 if args.device == "cuda" else 4)
+    args.slot_mib = args.slot_mib or (256 if args.device == "cuda" else 4)
+    args.slots = args.slots or (4 if args.device == "cuda" else 8)
     if args.trace:
         os.environ["KVPLANE_STAGING_TRACE"] = "1"
     n = -(-args.tokens // args.block)

@@ -64,7 +64,7 @@ STAGED_FIXED_S = 1e-3
 PLAN_PER_RUN_S = 0.15e-6
 DEFAULT_COSTS: dict[str, MethodCosts] = {
     "VRAM": MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.0e12,
-                        round_trip=150e-6, chunk_bytes=64 << 20, overlap=True,
+                        round_trip=150e-6, chunk_bytes=256 << 20, overlap=True,
                         staged_fixed=STAGED_FIXED_S, plan_per_run=PLAN_PER_RUN_S),
     "DRAM": MethodCosts(bandwidth=5.5e9, per_descriptor=1.9e-6, copy_bandwidth=5.0e9,
                         round_trip=200e-6, chunk_bytes=4 << 20, overlap=False,
@@ -101,7 +101,8 @@ def staging_for(buffer: Any, setting: str | None = None) -> StagingConfig | None
     where descriptors cost most and copies are cheap; off for host memory), "on" (both; the
     estimate decides per transfer), "staged" or "direct" (pool registered, one method always:
     tests and benchmarks), "off". Host memory gets small slots (4 x 4 MiB), GPU memory
-    4 x 64 MiB."""
+    4 x 256 MiB (2 GiB per worker, half to send, half to receive: on an H200 fewer, larger
+    chunks cost less Python per byte; docs/measurements/transfer-fragmented-h200.md)."""
     value = (setting if setting is not None else os.environ.get(STAGING_ENV, "auto")).lower()
     if value not in ("auto", "on", "off", "staged", "direct"):
         raise ValueError(f"{STAGING_ENV}={value!r}: expected auto, on, off, staged or direct")
@@ -109,7 +110,7 @@ def staging_for(buffer: Any, setting: str | None = None) -> StagingConfig | None
     if value == "off" or (value == "auto" and not gpu):
         return None
     force: Method | None = value if value in ("staged", "direct") else None  # type: ignore[assignment]
-    return StagingConfig(slot_bytes=(64 if gpu else 4) << 20, slots=4, force=force)
+    return StagingConfig(slot_bytes=(256 if gpu else 4) << 20, slots=4, force=force)
 
 
 def costs_from_profile(path: str | Path, *, chunk_bytes: int, overlap: bool) -> MethodCosts:
@@ -226,6 +227,24 @@ class BlockLayout:
         return cls(tuple(int(x) for x in d["b"]), int(d["s"]), int(d["p"]), int(d["n"]))
 
 
+def _mergeable(local: BlockLayout, remote: BlockLayout) -> bool:
+    """Consecutive blocks' pieces touch on both sides (each piece is its block's stride)."""
+    return local.stride == local.piece and remote.stride == remote.piece
+
+
+def block_descriptors(local: BlockLayout, local_ids: Any, remote: BlockLayout,
+                      remote_ids: Any) -> int:
+    """How many runs `block_runs_array` would give, from the id arrays alone (cheap: the staged
+    path never builds the runs)."""
+    import numpy as np
+
+    n = len(local_ids)
+    if n > 1 and _mergeable(local, remote):
+        lid, rid = np.asarray(local_ids), np.asarray(remote_ids)
+        n = 1 + int(np.count_nonzero((lid[1:] != lid[:-1] + 1) | (rid[1:] != rid[:-1] + 1)))
+    return len(local.bases) * n
+
+
 def block_runs_array(local: BlockLayout, local_ids: Any, remote: BlockLayout,
                      remote_ids: Any) -> Any:
     """(local, remote, length) runs of a block transfer, merged where consecutive blocks are
@@ -237,7 +256,7 @@ def block_runs_array(local: BlockLayout, local_ids: Any, remote: BlockLayout,
     rid = np.asarray(remote_ids, dtype=np.int64)
     if len(lid) == 0:
         return np.empty((0, 3), dtype=np.int64)
-    if local.stride == local.piece and remote.stride == remote.piece and len(lid) > 1:
+    if _mergeable(local, remote) and len(lid) > 1:
         brk = (lid[1:] != lid[:-1] + 1) | (rid[1:] != rid[:-1] + 1)
         starts = np.flatnonzero(np.concatenate(([True], brk)))
         counts = np.diff(np.append(starts, len(lid)))
@@ -262,6 +281,22 @@ class BlockPlan:
     views: list[Any]
     ids: Any
     n: int
+    span: _Span | None = None  # when set: one copy per chunk through `flat`
+    flat: Any = None  # span row of every stream row (piece group, block, row in piece)
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """One 2-D view over all of a layout's piece groups (from the lowest to the highest address
+    they touch), rows of `unit` bytes, so one index op copies a chunk across every layer: the
+    batched gather. Only rows of our pieces are ever indexed; the memory between regions (other
+    allocations) is never touched. row0: per piece group, the row of its block 0."""
+
+    rows: Any
+    unit: int
+    row0: Any  # (groups, 1, 1), on the copies' device
+    stride_rows: int
+    within: Any  # (1, 1, piece_rows): row offsets inside one piece, on the copies' device
 
 
 # ---- copies --------------------------------------------------------------------------------------
@@ -287,6 +322,7 @@ class Copier:
             self.starts.append(self.starts[-1] + s)
         self._views: dict[int, tuple[list[Any], Any]] = {}
         self._block_views: dict[BlockLayout, list[Any]] = {}
+        self._spans: dict[BlockLayout, _Span | None] = {}
 
     def region_of(self, layout: BlockLayout) -> str:
         """Why this layout's piece groups do not each lie inside one of our regions ("" when
@@ -329,7 +365,48 @@ class Copier:
 
             idx = torch.from_numpy(idx).to(self.pool.device, non_blocking=False)
             self._side().wait_stream(torch.cuda.current_stream(self.pool.device))
-        return BlockPlan(self.block_views(layout), idx, n)
+        views = self.block_views(layout)
+        span = self.span_for(layout)
+        if span is None:
+            return BlockPlan(views, idx, n)
+        flat = (span.row0 + idx[None, :, None] * span.stride_rows + span.within).reshape(-1)
+        if self.torch:
+            import torch
+
+            self._side().wait_stream(torch.cuda.current_stream(self.pool.device))
+        return BlockPlan(views, idx, n, span, flat)
+
+    def span_for(self, layout: BlockLayout) -> _Span | None:
+        """The layout's span view (cached), or None when the piece groups do not share a row
+        grid of at least 512 bytes (then one copy per piece group) or KVPLANE_STAGING_SPAN=0."""
+        import bisect
+
+        if layout in self._spans:
+            return self._spans[layout]
+        span = None
+        if os.environ.get("KVPLANE_STAGING_SPAN", "1") != "0":
+            addrs = []
+            for base in layout.bases:
+                r = bisect.bisect_right(self.starts, base) - 1
+                addrs.append(_address(self.buffers[r]) + base - self.starts[r])
+            low = min(addrs)
+            high = max(addrs) + layout.span
+            unit = math.gcd(layout.piece, layout.stride, *(a - low for a in addrs))
+            if unit >= 512 and unit % 8 == 0 and low % 8 == 0:
+                import numpy as np
+
+                rows = _raw_rows(low, high - low, unit, self.buffers[0])
+                row0 = np.array([(a - low) // unit for a in addrs], dtype=np.int64)
+                within = np.arange(layout.piece // unit, dtype=np.int64)
+                if self.torch:
+                    import torch
+
+                    row0 = torch.as_tensor(row0, device=self.pool.device)
+                    within = torch.as_tensor(within, device=self.pool.device)
+                span = _Span(rows, unit, row0[:, None, None], layout.stride // unit,
+                             within[None, None, :])
+        self._spans[layout] = span
+        return span
 
     def views(self, granule: int) -> tuple[list[Any], Any]:
         """Each region and the pool as a 2-D view of one granule per row."""
@@ -396,7 +473,29 @@ class Copier:
     def _run_blocks(self, direction: Literal["gather", "scatter"], plan: BlockPlan, lo: int,
                     hi: int, slot_offset: int, piece: int) -> Any:
         """Stream rows [lo, hi) of a block job: one index_select (gather) or index_copy_
-        (scatter) per piece group the chunk touches, all with the job's one id tensor."""
+        (scatter) over the span when there is one, else one per piece group the chunk
+        touches, all with the job's one id tensor."""
+        span = plan.span
+        if span is not None and slot_offset % 8 == 0:
+            k = int(span.within.shape[-1])
+            slot = _slot_rows(self.pool, slot_offset, (hi - lo) * k, span.unit)
+            idx = plan.flat[lo * k:hi * k]
+            if not self.cuda:
+                if direction == "gather":
+                    span.rows.take(idx, axis=0, out=slot)
+                else:
+                    span.rows[idx] = slot
+                return None
+            import torch
+
+            with torch.cuda.stream(self._side()):
+                if direction == "gather":
+                    torch.index_select(span.rows, 0, idx, out=slot)
+                else:
+                    span.rows.index_copy_(0, idx, slot)
+                event = torch.cuda.Event()
+                event.record(self._side())
+            return event
         slot = _slot_rows(self.pool, slot_offset, hi - lo, piece)
         n = plan.n
         steps = []
@@ -504,6 +603,36 @@ def _strided_rows(buf: Any, offset: int, layout: BlockLayout) -> Any:
     start = flat[offset // unit:]
     return np.lib.stride_tricks.as_strided(
         start, shape, (strides[0] * flat.itemsize, flat.itemsize), writeable=True)
+
+
+def _address(buf: Any) -> int:
+    if _is_torch(buf):
+        return int(buf.data_ptr())
+    return int(buf.ctypes.data)
+
+
+class _CudaMemory:
+    """Raw device memory as __cuda_array_interface__, for torch.as_tensor."""
+
+    def __init__(self, address: int, shape: tuple[int, int], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (address, False), "version": 2}
+
+
+def _raw_rows(address: int, nbytes: int, unit: int, like: Any) -> Any:
+    """A (nbytes / unit, unit) view (int64 elements) of memory from `address`, on the device
+    of `like`."""
+    shape = (nbytes // unit, unit // 8)
+    if _is_torch(like) and like.device.type == "cuda":
+        import torch
+
+        return torch.as_tensor(_CudaMemory(address, shape, "<i8"), device=like.device)
+    import ctypes
+
+    import numpy as np
+
+    raw = (ctypes.c_char * nbytes).from_address(address)
+    return np.frombuffer(raw, dtype=np.int64).reshape(shape)
 
 
 def _slot_rows(pool: Any, offset: int, rows: int, piece: int) -> Any:

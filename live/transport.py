@@ -75,6 +75,7 @@ from kvplane.live.staging import (
     Stager,
     StagingConfig,
     allocate_pool,
+    block_descriptors,
     block_runs_array,
 )
 
@@ -544,7 +545,6 @@ class Transport:
         lid = np.asarray(local_blocks, dtype=np.int64).ravel()
         rid = np.asarray(remote_blocks, dtype=np.int64).ravel()
         self._check_blocks(local, lid, remote, rid)
-        runs = block_runs_array(local, lid, remote, rid)
         nbytes = len(local.bases) * len(lid) * local.piece
         with self._lock:
             p = self._peers.get(peer)
@@ -553,8 +553,8 @@ class Transport:
                 t.finish(Status.FAILED, f"unknown peer {peer!r}")
                 return t
             self._check_layouts(local, remote, p)
-            t = Transfer(peer, op, nbytes, len(runs))
-            if not len(runs):
+            t = Transfer(peer, op, nbytes, block_descriptors(local, lid, remote, rid))
+            if not len(lid):
                 t.finish(Status.DONE)
                 return t
             chunk = min(self._slot_bytes, p.info.staging_slot) // local.piece * local.piece
@@ -564,7 +564,7 @@ class Transport:
                 self._stager.post_blocks(peer, op, local, lid, remote, rid, notify, t, chunk,
                                          started)
                 return t
-            self._post_direct(t, p, runs, notify)
+            self._post_direct(t, p, block_runs_array(local, lid, remote, rid), notify)
             return t
 
     @staticmethod
