@@ -482,7 +482,7 @@ class Copier:
             idx = plan.flat[lo * k:hi * k]
             if not self.cuda:
                 if direction == "gather":
-                    span.rows.take(idx, axis=0, out=slot)
+                    span.rows.take(idx, axis=0, out=slot, mode="clip")
                 else:
                     span.rows[idx] = slot
                 return None
@@ -511,7 +511,7 @@ class Copier:
 
                         torch.index_select(view, 0, ids, out=rows)
                     else:
-                        view.take(ids, axis=0, out=rows)
+                        view.take(ids, axis=0, out=rows, mode="clip")
                 else:
                     view[ids] = rows
             return None
@@ -941,6 +941,7 @@ class Stager:
                     continue
                 lo, hi = job.span(k)
                 length = (hi - lo) * job.granule
+                self._tr(job, f"gathered {k}")
                 handle = self.t._post_raw(job.key[0], "WRITE",
                                           [(self.pool_offset + slot * self.slot_bytes,
                                             remote_off, length)],

@@ -534,8 +534,9 @@ class Transport:
                     notify: bytes = b"") -> Transfer:
         """`post` for whole KV blocks: block `local_blocks[i]` of our `local` layout to (WRITE)
         or from (READ) block `remote_blocks[i]` of the peer's `remote` layout, every piece
-        group. Planned from the two id arrays with numpy (no run list, no sort): direct runs
-        are merged at block level, a staged job carries only the peer's block ids. The same
+        group. Planned from the two id arrays with numpy (no run list; the pairs are sorted by
+        our block id): direct runs are merged at block level, a staged job carries only the
+        peer's block ids. The same
         method choice, failures-as-values and completion rules as `post`."""
         import numpy as np
 
@@ -545,6 +546,11 @@ class Transport:
         lid = np.asarray(local_blocks, dtype=np.int64).ravel()
         rid = np.asarray(remote_blocks, dtype=np.int64).ravel()
         self._check_blocks(local, lid, remote, rid)
+        if len(lid) > 1 and not (lid[1:] >= lid[:-1]).all():
+            # Our blocks in ascending order (as `post` sorts runs): our copies walk memory
+            # forwards, and blocks handed out in descending order (vLLM's LIFO reuse) merge.
+            order = np.argsort(lid, kind="stable")
+            lid, rid = lid[order], rid[order]
         nbytes = len(local.bases) * len(lid) * local.piece
         with self._lock:
             p = self._peers.get(peer)
