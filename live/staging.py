@@ -12,6 +12,13 @@ How it works (`Stager`, owned by a `Transport` made with a `StagingConfig`):
 - A transfer's runs become one stream of granules in the initiator's run order; both sides cut
   the stream into chunks of one slot (min of the two slot sizes) and know the other side's runs
   from the first control message (offsets delta-coded and zlib-compressed).
+- A block transfer (`Transport.post_blocks`, `BlockLayout`: piece p of block b at
+  bases[p] + b x stride) streams its pieces piece group by piece group, blocks in the given
+  order; its first message carries the peer's layout and block ids (4 bytes a block) instead
+  of runs. Each side plans from its id array alone, and where every piece group lies on one
+  row grid of its memory (the usual case: per-layer caches from cudaMalloc), copies a whole
+  chunk with one `index_select` / `index_copy_` over a view spanning all layers (`_Span`);
+  otherwise one per piece group.
 - The data owner always WRITEs (also for a READ: "ask the holder to write"): a READ sends PULL
   with the holder's runs and the first grants; a WRITE sends OFFER with the receiver's runs and
   the caller's notification, and the receiver answers with grants. A grant names a free receive

@@ -18,6 +18,9 @@ How it works:
   (`make_prepped_xfer`): cheap per request. Runs `(local_offset, remote_offset, length)` are
   merged first where they continue each other on both sides; NIXL merges adjacent granules again.
   Every offset and length must be a multiple of that granule.
+- `post_blocks` does the same for whole KV blocks, from two block-id arrays and each side's
+  `BlockLayout` (where piece p of block b lies): no run list is built for a staged transfer,
+  which is how the connector's worker posts (live/staging.py has the block path).
 - `post` starts a WRITE (local -> peer) or READ (peer -> local) and returns a `Transfer`;
   `wait`/`poll` finish it. A WRITE's notification message reaches the peer only after its data
   has landed: the target treats the notification as completion (`wait_notification`).
@@ -536,8 +539,8 @@ class Transport:
         or from (READ) block `remote_blocks[i]` of the peer's `remote` layout, every piece
         group. Planned from the two id arrays with numpy (no run list; the pairs are sorted by
         our block id): direct runs are merged at block level, a staged job carries only the
-        peer's block ids. The same
-        method choice, failures-as-values and completion rules as `post`."""
+        peer's block ids. The same method choice, failures-as-values and completion rules as
+        `post`; bad ids or a layout outside either side's KV memory raise TransportError."""
         import numpy as np
 
         if op not in ("WRITE", "READ"):
