@@ -11,8 +11,9 @@ Rules kept here:
   only when that hit ends on a block boundary; they go into the blocks after the hit, read from
   the source's blocks at the same positions (`LoadWindow.src` / `.dst`). Nothing is ever written
   into a block the consumer already had: those may be shared with other requests.
-- What prefill reads from a retained handle versus computes (`reuse_split`): the first
-  `ceil(remote / block_size)` new blocks take the read, the rest are computed.
+- What prefill reads from a retained handle versus computes (`reuse_split`, `reuse_read`): the
+  first `ceil(remote / block_size)` blocks past prefill's own local hit take the read, from the
+  retained blocks at the same positions; the rest are computed.
 - Retain or not, and for how long (`retain_decision`, `retain_ttl`): a request's own wish wins
   over the instance's default, its TTL may only shorten the instance's, never below a floor.
 - Deadlines of a transfer (`read_deadline`): the sooner of "now + the transfer time-out" and
@@ -94,6 +95,16 @@ def reuse_split(
     """(blocks the reuse read fills, blocks prefill computes) among its new blocks."""
     n = -(-max(remote_tokens, 0) // block_size)
     return tuple(new_blocks[:n]), tuple(new_blocks[n:])
+
+
+def reuse_read(retained: Sequence[int], blocks: Sequence[int], local_hit: int,
+               remote_tokens: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(source, destination) blocks of a reuse read of `remote_tokens` past a block-aligned
+    local hit of `local_hit` tokens: decode's retained blocks and prefill's request blocks
+    (`blocks`, from token 0) at the same positions."""
+    skip = local_hit // block_size
+    dst, _ = reuse_split(blocks[skip:], remote_tokens, block_size)
+    return tuple(retained[skip:skip + len(dst)]), dst
 
 
 def retain_decision(requested: bool | None, default: bool, has_blocks: bool) -> bool:

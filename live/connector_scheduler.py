@@ -424,6 +424,7 @@ class SchedulerHalf:
         self.by_key.pop(req.key, None)
         req.attempt = rules.next_attempt(req.attempt)
         req.blocks = []
+        req.shared, req.local_hit = [], 0  # the re-schedule has a prefix hit of its own
         self.by_key[req.key] = req
         logger.info("kvplane %s: %s for %s; computing it locally (attempt %d)",
                     self.me.instance, why, req.leg.xfer, req.attempt)
@@ -596,6 +597,7 @@ class SchedulerHalf:
         if req is None:
             return 0, False
         n_prompt = int(request.num_prompt_tokens)
+        self._sync_preemption(req, self.clock())  # a preempted request starts a new attempt
         if req.role == "decode":
             if not req.blocks:
                 req.local_hit = num_computed
@@ -652,16 +654,17 @@ class SchedulerHalf:
             ev = next((e for e in decision if isinstance(e, ReuseDecided)), None)
             handle = req.leg.reuse
             if ev is not None and ev.outcome == "read" and external > 0 and handle is not None:
-                reuse_blocks, rest = rules.reuse_split(new, external, self.layout.block_size)
-                new = list(rest)
+                src_blocks, reuse_blocks = rules.reuse_read(
+                    handle.blocks, new, 0, external, self.layout.block_size)
+                new = new[len(reuse_blocks):]
                 self._handle("prefill", pcore.Allocate(xfer, attempt, reuse_blocks, "reuse"),
                              now)
                 req.blocks += reuse_blocks
                 self.retained_of[(xfer, attempt)] = handle
                 req.vllm = "waiting_kv"
                 started = self._handle("prefill", pcore.StartReuseRead(
-                    xfer, attempt, handle.core_handle(), handle.blocks[:len(reuse_blocks)],
-                    handle.layout, external), now)
+                    xfer, attempt, handle.core_handle(), src_blocks, handle.layout, external),
+                    now)
                 if not started:  # refused: vLLM recomputes those tokens (same attempt)
                     self.pending.finished_recving.add(req.rid)
                     self.pending.failed_recving.add(req.rid)
