@@ -606,12 +606,17 @@ class SchedulerHalf:
             have = n_prompt if req.leg.pull is None else min(n_prompt, req.leg.pull.num_tokens)
             window = rules.decode_load(n_prompt, have, num_computed, self.layout.block_size)
             return (window.num_tokens, True) if window is not None else (0, False)
-        if req.leg.reuse is None or req.started or num_computed > 0:
-            # (a local prefix hit would need the read to start past it; prefix caching is off)
+        if not req.blocks:
+            req.local_hit = num_computed
+        if req.leg.reuse is None or req.started:
             return 0, False
-        if req.leg.reuse.layout.block_size != self.layout.block_size:
+        if req.leg.reuse.layout.block_size != self.layout.block_size \
+                or num_computed % self.layout.block_size:
             return 0, False  # whole blocks move: only between equal block sizes
-        if req.decision is None:
+        made = next((e for e in req.decision or () if isinstance(e, ReuseDecided)), None)
+        if req.decision is None or (made is not None and made.local_hit_tokens != num_computed):
+            # (decided again when vLLM asks again with another local hit: the read starts
+            # right after it)
             handle = req.leg.reuse
             prompt = list(request.prompt_token_ids or [])
             cmd = pcore.DecideReuse(
@@ -654,17 +659,23 @@ class SchedulerHalf:
             ev = next((e for e in decision if isinstance(e, ReuseDecided)), None)
             handle = req.leg.reuse
             if ev is not None and ev.outcome == "read" and external > 0 and handle is not None:
+                # the read fills the blocks right after prefill's own local hit (those are
+                # prefill's, computed before; shared with other requests, never written)
                 src_blocks, reuse_blocks = rules.reuse_read(
-                    handle.blocks, new, 0, external, self.layout.block_size)
-                new = new[len(reuse_blocks):]
+                    handle.blocks, new, req.local_hit, external, self.layout.block_size)
+                hit = new[:req.local_hit // self.layout.block_size]
+                if hit:
+                    self._handle("prefill", pcore.Allocate(xfer, attempt, tuple(hit)), now)
+                    req.blocks += hit
+                new = new[len(hit) + len(reuse_blocks):]
                 self._handle("prefill", pcore.Allocate(xfer, attempt, reuse_blocks, "reuse"),
                              now)
                 req.blocks += reuse_blocks
                 self.retained_of[(xfer, attempt)] = handle
                 req.vllm = "waiting_kv"
                 started = self._handle("prefill", pcore.StartReuseRead(
-                    xfer, attempt, handle.core_handle(), src_blocks, handle.layout, external),
-                    now)
+                    xfer, attempt, handle.core_handle(), src_blocks, handle.layout, external,
+                    dst_blocks=reuse_blocks), now)
                 if not started:  # refused: vLLM recomputes those tokens (same attempt)
                     self.pending.finished_recving.add(req.rid)
                     self.pending.failed_recving.add(req.rid)
@@ -674,10 +685,9 @@ class SchedulerHalf:
             req.blocks += new
         if not req.started:
             req.started = True
-            prompt = int(req.request.num_prompt_tokens)
+            prompt, cached = int(req.request.num_prompt_tokens), external + req.local_hit
             self._record(PrefillStarted(at=now, instance=self.me.instance, request=xfer,
-                                        computed_tokens=prompt - external,
-                                        cached_tokens=external))
+                                        computed_tokens=prompt - cached, cached_tokens=cached))
 
     def _decode_alloc(self, req: Req, blocks: list[int], new: list[int], external: int,
                       now: float) -> None:

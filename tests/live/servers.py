@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -464,6 +464,12 @@ class PdCluster:
     def client(self) -> PdClient:
         return PdClient(self.prefill, self.decode)
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_cluster(self)
+
     def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
         """The plain server's greedy tokens for `prompt`."""
         return complete(self.plain.url, prompt, max_tokens).token_ids
@@ -498,7 +504,7 @@ def pd_cluster(suite: str, connector: dict[str, Any], *, handle_key: str = "",
                common: Side = Side(), extra: tuple[str, ...] = (),
                model: Path | None = None, server: type[VllmServer] | None = None,
                timeout: float = 420.0) -> PdCluster:
-    """Start the shared cluster (the caller stops it with `stop_cluster`).
+    """Start the shared cluster; `with pd_cluster(...) as c:` stops it at the end.
 
     `connector`: kv_connector_extra_config of the servers with the connector (the event store
     and run are added). `prefill` / `decode`: their flags (default: `prefix_caching` on both);

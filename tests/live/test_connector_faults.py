@@ -56,11 +56,8 @@ def prompt(seed: int, n: int = 80) -> list[int]:
 def cluster() -> Iterator[Cluster]:
     cfg = {"kv_lease_duration": HOLD, "kv_wait_timeout": WAIT, "write_margin": 1.0,
            "transfer_timeout": 6.0}
-    c = _servers.pd_cluster("faults", cfg, plain=None, extra=(DOOMED,))
-    try:
+    with _servers.pd_cluster("faults", cfg, plain=None, extra=(DOOMED,)) as c:
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 def reference(cluster: Cluster, p: list[int]) -> list[int]:

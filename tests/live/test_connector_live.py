@@ -45,11 +45,8 @@ Cluster = _servers.PdCluster
 def cluster() -> Iterator[Cluster]:
     cfg = {"kv_recompute_threshold": THRESHOLD, "decoder_kv_blocks_ttl": 120,
            "lease_renewable": True, "lease_extension": 200}
-    c = _servers.pd_cluster("live", cfg)
-    try:
+    with _servers.pd_cluster("live", cfg) as c:
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 def prompt(seed: int, n: int) -> list[int]:

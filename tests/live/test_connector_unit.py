@@ -681,3 +681,29 @@ def test_preempted_decode_with_a_prefix_hit_recomputes_into_its_own_blocks() -> 
     finish(rd, len(PROMPT) + 3, [1, 2, 3, 4])
     assert D.request_finished(rd, [50, 51, 60, 61, 62, 63]) == (False, None)
     pair.replay_ok()
+
+
+def test_prefill_with_a_local_hit_reads_only_the_rest_of_the_retained_kv() -> None:
+    """Prefix caching on prefill: its own cache has the first 2 blocks of turn 2, decode's
+    retained KV has 5; prefill reads blocks 3 to 5 (12 tokens) into its blocks after the hit,
+    from the retained blocks at the same positions, and computes the rest. Asked again with
+    another hit, it decides again."""
+    pair = Pair()
+    P = pair.half("P")
+    pair.half("D")
+    out1 = [5, 6, 7, 8, 9, 10]
+    handle = retained_turn(pair, "t1", out1)
+    prompt2 = PROMPT + out1 + [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    rp = request("t2-p", prefill_leg("t2", reuse=handle), prompt2, 1)
+    P.on_new_request(rp)
+    assert P.get_num_new_matched_tokens(rp, 0) == (20, True)  # no hit: 5 blocks
+    assert P.get_num_new_matched_tokens(rp, 8) == (12, True)  # 2 blocks of its own
+    blocks = list(range(20, 27))
+    P.update_state_after_alloc(rp, blocks, 12)
+    pair.step("P")
+    read = pair.of(ev.TransferPlanned, direction="D->P")
+    assert len(read) == 1 and read[0].num_tokens == 12
+    assert read[0].dst_blocks == (22, 23, 24)  # never 20, 21 (its own hit)
+    assert read[0].src_blocks == tuple(handle["blocks"][2:5])
+    started = pair.of(ev.PrefillStarted, request="t2")[0]
+    assert (started.cached_tokens, started.computed_tokens) == (20, len(prompt2) - 20)

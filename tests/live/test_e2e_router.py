@@ -74,11 +74,8 @@ Cluster = _servers.PdCluster
 def cluster() -> Iterator[Cluster]:
     cfg = {"kv_recompute_threshold": THRESHOLD, "decoder_kv_blocks_ttl": 120,
            "lease_renewable": True, "lease_extension": 200}
-    c = _servers.pd_cluster("e2e", cfg, handle_key=HANDLE_KEY)
-    try:
+    with _servers.pd_cluster("e2e", cfg, handle_key=HANDLE_KEY) as c:
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 # ---- requests -----------------------------------------------------------------------------------

@@ -60,13 +60,10 @@ LAYOUTS = {
 def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
     prefill, decode = LAYOUTS[request.param]
     cfg = {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 15, "transfer_timeout": 20.0}
-    c = _servers.pd_cluster(f"paths-{request.param}", cfg, prefill=prefill, decode=decode,
-                            common=Side(args=CHUNKED))
-    c.layout = request.param  # which side caches, for the tests' expectations
-    try:
+    with _servers.pd_cluster(f"paths-{request.param}", cfg, prefill=prefill, decode=decode,
+                             common=Side(args=CHUNKED)) as c:
+        c.layout = request.param  # which side caches, for the tests' expectations
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 @pytest.fixture(autouse=True)
@@ -164,27 +161,28 @@ def test_long_prompt_in_chunks(cluster: Any, mode: str) -> None:
 
 
 def test_bidirectional_second_turn_in_chunks(cluster: Any) -> None:
-    """Turn 2 (turn 1 + its answer + 200 new tokens) reads decode's retained KV where prefill
-    has no local hit of its own, and computes the rest in chunks."""
+    """Turn 2 (turn 1 + its 80-token answer + 150 new tokens) reads decode's retained KV past
+    prefill's own local hit (where prefill caches, turn 1's first 4 blocks are in its cache),
+    and computes the rest in chunks."""
     p1 = prompt(10, 150)
-    _, d1 = cluster.client.pull(p1, MAX_TOKENS, retain=True)
+    _, d1 = cluster.client.pull(p1, 80, retain=True)
     assert d1.kv_transfer_params, "decode returned no retained-KV handle"
     handle = d1.kv_transfer_params["kvplane"]["retained"]
-    p2 = p1 + list(d1.token_ids) + prompt(11, 200)
+    p2 = p1 + list(d1.token_ids) + prompt(11, 150)
     xfer = f"turn2-{uuid.uuid4().hex[:6]}"
     assert exchange(cluster, "pull", p2, reuse=handle, xfer=xfer) == \
         cluster.reference(p2, MAX_TOKENS)
     evs = cluster.wait_for(xfer, ev.KVReceived, instance="decode")
+    matched = (len(p1) + 80 - 1) // BLOCK * BLOCK  # the whole blocks decode retained: 224
+    hit = len(p1) // BLOCK * BLOCK if cluster.layout == "prefill-caches" else 0
     decided = only(evs, ev.ReuseDecided, instance="prefill")
-    if cluster.layout == "prefill-caches":
-        # prefill still has turn 1 in its own cache: it reads nothing from decode
-        assert not only(evs, ev.TransferPlanned, instance="prefill", direction="D->P")
-    else:
-        assert decided and decided[0].outcome == "read"
-        read = only(evs, ev.TransferPlanned, instance="prefill", direction="D->P")
-        assert len(read) == 1 and read[0].num_tokens == decided[0].remote_tokens
-        started = only(evs, ev.PrefillStarted, instance="prefill")[0]
-        assert started.computed_tokens == len(p2) - decided[0].remote_tokens > CHUNK
+    assert len(decided) == 1 and decided[0].outcome == "read"
+    assert (decided[0].local_hit_tokens, decided[0].remote_tokens) == (hit, matched - hit)
+    read = only(evs, ev.TransferPlanned, instance="prefill", direction="D->P")
+    assert len(read) == 1 and read[0].num_tokens == matched - hit
+    started = only(evs, ev.PrefillStarted, instance="prefill")[0]
+    assert started.cached_tokens == matched
+    assert started.computed_tokens == len(p2) - matched > CHUNK
 
 
 # ---- 3. re-issue -----------------------------------------------------------------------------------

@@ -52,11 +52,8 @@ HANDLE_KEY = "hostile-handle-key-0123456789abcdef-do-not-log"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     cfg = {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 60, "transfer_timeout": 20.0}
-    c = _servers.pd_cluster("hostile", cfg, handle_key=HANDLE_KEY, prefix_caching=True)
-    try:
+    with _servers.pd_cluster("hostile", cfg, handle_key=HANDLE_KEY, prefix_caching=True) as c:
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 @pytest.fixture(autouse=True)

@@ -60,11 +60,8 @@ Cluster = _servers.PdCluster
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = _servers.pd_cluster("swa", {}, model=tiny_swa_model_dir())
-    try:
+    with _servers.pd_cluster("swa", {}, model=tiny_swa_model_dir()) as c:
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 def prompt(seed: int, n: int = 4 * WINDOW) -> list[int]:
