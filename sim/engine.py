@@ -150,6 +150,7 @@ class SimRequest:
     cached: int = 0
     ok: bool = True
     taken: RetainedHandle | None = None  # the conversation's handle this turn took
+    attempt: int = 0  # decode's attempt: a failed load's local compute is the next one
     itl: list[tuple[float, int]] = field(default_factory=list)
 
 
@@ -680,7 +681,15 @@ class DecodeInstance(Instance):
 
     def fallback(self, r: SimRequest) -> None:
         """The KV will not come: decode computes the prompt itself (a stall of its loop); the
-        request is still served, and the core's KVLoadFailed records why."""
+        request is still served, and the core's KVLoadFailed records why. As in the live
+        connector, the local compute is the exchange's next attempt (`next_attempt`): the
+        failed attempt's books end and its blocks are taken again for the compute."""
+        if self.core.phase(r.id, r.attempt) == "decoding":
+            self.do(D.Finish(r.id, r.attempt))
+        r.attempt = rules.next_attempt(r.attempt)
+        blocks = self.pool.take(self.held.get(r.id, 0))
+        assert blocks is not None, "the blocks just freed are free"
+        self.do(D.Allocate(r.id, r.attempt, blocks))
         self.recomputes.append(r)
         self.poke()
 
@@ -797,7 +806,7 @@ class DecodeInstance(Instance):
             new = got.get(r.id)
             if new:
                 self.held[r.id] = self.held.get(r.id, 0) + len(new)
-                self.do(D.Allocate(r.id, 0, tuple(new)))
+                self.do(D.Allocate(r.id, r.attempt, tuple(new)))
 
     def _advance(self, steps: int, durations: list[float], stall: float, start: float) -> None:
         env = self.sim.env
@@ -836,7 +845,7 @@ class DecodeInstance(Instance):
             retain = D.Retain(f"{r.id}/kv", rules.retain_ttl(cfg.ttl, None), cfg.renewable,
                               r.prompt + r.output, hex_chain(r.retained_hashes))
         stored = False
-        for e in self.do(D.Finish(r.id, 0, retain)):
+        for e in self.do(D.Finish(r.id, r.attempt, retain)):
             if isinstance(e, LeaseGranted):
                 self.retained[e.lease] = None
                 self.expire_at(e.lease, e.expires_at)
