@@ -59,7 +59,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
     prefill, decode = LAYOUTS[request.param]
-    cfg = {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 15, "transfer_timeout": 20.0}
+    cfg = {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 15, "transfer_timeout": 20.0,
+           "kv_lease_duration": 120.0, "push_hold_timeout": 120.0}  # until decode has room
     with _servers.pd_cluster(f"paths-{request.param}", cfg, prefill=prefill, decode=decode,
                              common=Side(args=CHUNKED)) as c:
         c.layout = request.param  # which side caches, for the tests' expectations
@@ -124,18 +125,30 @@ def test_servers_run_chunked_prefill_and_the_caching_layout(cluster: Any) -> Non
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_preempted_decode_recomputes_and_never_reloads(cluster: Any, mode: str) -> None:
-    """Four requests of 200 prompt tokens and 200 output tokens at once need 52 blocks on
-    decode, which has 24: vLLM preempts some of them while they decode, frees their blocks and
-    later schedules them again from scratch. Each answer must still be the plain server's, and
-    decode must have loaded each request's KV once (the re-schedule computes locally)."""
-    out = 200
+    """Four requests of 200 prompt and 300 output tokens at once need 64 blocks on decode,
+    which has 24 (any two running together need 32): vLLM preempts some of them while they
+    decode, frees their blocks and later schedules them again from scratch. Each answer must
+    still be the plain server's, and decode must have loaded each request's KV once (the
+    re-schedule computes locally). In pull, the four prefill legs run first, so the four
+    decode legs reach decode together."""
+    out = 300
     prompts = [prompt(SEED[mode] + 100 + i, 200) for i in range(4)]
     want = [cluster.reference(p, out) for p in prompts]
     before = metric(cluster.decode, "vllm:num_preemptions_total")
     xfers = [f"preempt-{mode}-{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
+    if mode == "pull":
+        legs = [complete(cluster.prefill.url, p, 1, {"do_remote_decode": True, "kvplane": {
+            "v": 1, "mode": "pull", "xfer": x}}, request_id=x).kv_transfer_params
+            for p, x in zip(prompts, xfers)]
+
+        def one(i: int) -> list[int]:
+            return list(complete(cluster.decode.url, prompts[i], out, legs[i],
+                                 request_id=xfers[i]).token_ids)
+    else:
+        def one(i: int) -> list[int]:
+            return exchange(cluster, mode, prompts[i], out, xfer=xfers[i])
     with cf.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda a: exchange(cluster, mode, a[0], out, xfer=a[1]),
-                            zip(prompts, xfers)))
+        got = list(pool.map(one, range(4)))
     preempted = metric(cluster.decode, "vllm:num_preemptions_total") - before
     assert preempted >= 1, "decode never preempted: the test proves nothing"
     for i, (g, w) in enumerate(zip(got, want)):
