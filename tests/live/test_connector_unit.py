@@ -707,3 +707,40 @@ def test_prefill_with_a_local_hit_reads_only_the_rest_of_the_retained_kv() -> No
     assert read[0].src_blocks == tuple(handle["blocks"][2:5])
     started = pair.of(ev.PrefillStarted, request="t2")[0]
     assert (started.cached_tokens, started.computed_tokens) == (20, len(prompt2) - 20)
+
+
+def test_sim_and_live_number_a_recompute_by_the_core_rule(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`connector_rules.next_attempt` numbers the local compute after a preemption (live) and
+    after a failed load (live and simulator): change it, and both number it so."""
+    from kvplane.core import connector_rules
+    from kvplane.sim.config import scenario_from_data
+    from kvplane.sim.runner import simulate
+
+    monkeypatch.setattr(connector_rules, "next_attempt", lambda attempt: attempt + 7)
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    _, (_, params) = run_prefill(pair, "n7", PROMPT, [1, 2, 3, 4, 5])
+    rd = request("n7-d", params, PROMPT)
+    D.on_new_request(rd)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], D.get_num_new_matched_tokens(rd, 0)[0])
+    pair.step("D")
+    pair.step("D")
+    rd.num_preemptions, rd.num_computed_tokens = 1, 0
+    D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [20, 21, 22, 23, 24], 0)
+    assert {e.attempt for e in pair.of(ev.BlocksReserved, instance="D")} == {0, 7}
+
+    sc = scenario_from_data({
+        "name": "n7", "seed": 1, "requests": 6, "warmup_requests": 0,
+        "profiles": {"model": "qwen3-32b", "hardware": "p5en-h200-tp8"},
+        "connector": {"mode": "pull", "pull_hold_lease_s": 0.001},
+        "workload": {"kind": "poisson", "qps": 2, "input_len": {"mean": 512, "dist": "fixed"},
+                     "output_len": {"mean": 16, "dist": "fixed"}}}, file="<test>")
+    log: list[ev.Event] = []
+    simulate(sc.points()[0], log.append)
+    failed = [e for e in log if isinstance(e, ev.KVLoadFailed)]
+    assert failed
+    assert {e.attempt for e in log if isinstance(e, ev.BlocksReserved)
+            and e.instance.startswith("decode")} == {0, 7}
