@@ -4,7 +4,11 @@ through `kvplane.core`.
 Rules kept here:
 - Every protocol decision is made by a core machine (`PrefillCore`, `DecodeCore`,
   `SessionTable`, `decide_reuse`, `routing.choose`), called with `now = env.now`; the simulator
-  only moves time, hands out block ids and carries messages. Every event the core returns, and
+  only moves time, hands out block ids and carries messages. The per-request rules the live
+  connector and router follow are the simulator's too (`core.connector_rules`: what decode
+  loads, which blocks a reuse read fills, retain and its TTL, the attempt a recompute is;
+  `core.router_rules`: whether the router asks to retain, what it does with a taken handle when
+  a turn ends). Every event the core returns, and
   every observation (arrival, first token, finish, engine stall), goes to the recorder.
 - Costs come from a `Costs` object built from profiles; nothing here knows a GPU or a model.
 - Pull mode prepares descriptors inside decode's engine loop (unless `pull_reader_thread`): the
