@@ -18,6 +18,10 @@ Rules kept here:
   over the instance's default, its TTL may only shorten the instance's, never below a floor.
 - Deadlines of a transfer (`read_deadline`): the sooner of "now + the transfer time-out" and
   "the source's hold expiry minus a margin", so a READ never runs past the hold it relies on.
+  The margins: a load is not started within `READ_MARGIN` seconds of its source's expiry, and
+  a started READ ends `PIN_MARGIN` seconds before the lease it reads under could expire (the
+  pin's own check, `lease.BeginRead.margin`, must stay below it, or a READ whose deadline the
+  lease bounds could never be pinned).
 - Attempts (`next_attempt`): a failed load ends the attempt; the engine's own compute is the
   next attempt number, so late messages for the old one are recognised as stale.
 - What is hashed for reuse (`reuse_salt`): model, LoRA adapter, `cache_salt` and multimodal
@@ -36,6 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 ClaimKey = tuple[str, str, int]
+
+READ_MARGIN = 0.5  # [s] no load starts this close to its source's expiry
+PIN_MARGIN = 0.3  # [s] a READ ends this long before the lease it reads under could expire
 
 
 class Claims:

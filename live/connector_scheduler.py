@@ -95,7 +95,6 @@ logger = logging.getLogger(__name__)
 
 _OK_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 _TICK_EVERY = 0.02
-PIN_MARGIN = 0.3  # a READ ends this long before the lease it reads under could expire
 
 
 @dataclass(slots=True)
@@ -446,7 +445,7 @@ class SchedulerHalf:
                     tuple(block_runs(plan, src.layout.block_size, self.layout.block_size)),
                     notify=self._notif("READ", {"xfer": xfer, "attempt": attempt}),
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
-                                                 src.expires_at, margin=PIN_MARGIN),
+                                                 src.expires_at, margin=rules.PIN_MARGIN),
                     purpose="pull", pin=self._pin_body("pull", wire, xfer, attempt)))
             elif ev.direction == "D->P":  # reuse: READ decode's retained blocks
                 handle = self.retained_of[(xfer, attempt)]
@@ -458,7 +457,7 @@ class SchedulerHalf:
                     "read", xfer, attempt, handle.source,
                     tuple(block_runs(plan, handle.layout.block_size, self.layout.block_size)),
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
-                                                 handle.expires_at, margin=PIN_MARGIN),
+                                                 handle.expires_at, margin=rules.PIN_MARGIN),
                     purpose="reuse",
                     pin=self._pin_body("reuse", wire, xfer, attempt) if wire else ""))
             else:  # push: WRITE into decode's registered blocks
@@ -623,7 +622,7 @@ class SchedulerHalf:
                 req.leg.xfer, req.attempt, handle.core_handle(),
                 block_hashes(prompt, handle.block_size, self.salt_of(request)), n_prompt,
                 num_computed, threshold=self.cfg.kv_recompute_threshold,
-                estimated_read=self.cfg.reuse_read_estimate)
+                estimated_read=self.cfg.reuse_read_estimate, margin=rules.READ_MARGIN)
             try:
                 req.decision = self.prefill.decide(cmd, self.clock())
             except ProtocolError as exc:
@@ -712,7 +711,7 @@ class SchedulerHalf:
                     mode=leg.mode, src_blocks=window.src(leg.pull.blocks) if leg.pull else (),
                     timeout=self.cfg.kv_wait_timeout,
                     src_expires_at=leg.pull.expires_at if leg.pull else None,
-                    read_margin=0.5)
+                    read_margin=rules.READ_MARGIN)
                 req.blocks = list(dst)
                 events = self._handle("decode", cmd, now)
             except Exception as exc:  # noqa: BLE001 - the wall: compute the prompt instead

@@ -109,7 +109,7 @@ class EngineConfig:
     heartbeat_extension: float = 20.0
     idle_after: float = 60.0
     recompute_threshold: int = 64
-    read_margin: float = 0.05
+    read_margin: float = rules.READ_MARGIN  # the live connector's margin
     hold_ttl: float = 30.0
     hold_heartbeat: float = 5.0
     hold_extension: float = 20.0
