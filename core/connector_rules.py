@@ -11,12 +11,17 @@ Rules kept here:
   only when that hit ends on a block boundary; they go into the blocks after the hit, read from
   the source's blocks at the same positions (`LoadWindow.src` / `.dst`). Nothing is ever written
   into a block the consumer already had: those may be shared with other requests.
-- What prefill reads from a retained handle versus computes (`reuse_split`): the first
-  `ceil(remote / block_size)` new blocks take the read, the rest are computed.
+- What prefill reads from a retained handle versus computes (`reuse_split`, `reuse_read`): the
+  first `ceil(remote / block_size)` blocks past prefill's own local hit take the read, from the
+  retained blocks at the same positions; the rest are computed.
 - Retain or not, and for how long (`retain_decision`, `retain_ttl`): a request's own wish wins
   over the instance's default, its TTL may only shorten the instance's, never below a floor.
 - Deadlines of a transfer (`read_deadline`): the sooner of "now + the transfer time-out" and
   "the source's hold expiry minus a margin", so a READ never runs past the hold it relies on.
+  The margins: a load is not started within `READ_MARGIN` seconds of its source's expiry, and
+  a started READ ends `PIN_MARGIN` seconds before the lease it reads under could expire (the
+  pin's own check, `lease.BeginRead.margin`, must stay below it, or a READ whose deadline the
+  lease bounds could never be pinned).
 - Attempts (`next_attempt`): a failed load ends the attempt; the engine's own compute is the
   next attempt number, so late messages for the old one are recognised as stale.
 - What is hashed for reuse (`reuse_salt`): model, LoRA adapter, `cache_salt` and multimodal
@@ -35,6 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 ClaimKey = tuple[str, str, int]
+
+READ_MARGIN = 0.5  # [s] no load starts this close to its source's expiry
+PIN_MARGIN = 0.3  # [s] a READ ends this long before the lease it reads under could expire
 
 
 class Claims:
@@ -94,6 +102,16 @@ def reuse_split(
     """(blocks the reuse read fills, blocks prefill computes) among its new blocks."""
     n = -(-max(remote_tokens, 0) // block_size)
     return tuple(new_blocks[:n]), tuple(new_blocks[n:])
+
+
+def reuse_read(retained: Sequence[int], blocks: Sequence[int], local_hit: int,
+               remote_tokens: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(source, destination) blocks of a reuse read of `remote_tokens` past a block-aligned
+    local hit of `local_hit` tokens: decode's retained blocks and prefill's request blocks
+    (`blocks`, from token 0) at the same positions."""
+    skip = local_hit // block_size
+    dst, _ = reuse_split(blocks[skip:], remote_tokens, block_size)
+    return tuple(retained[skip:skip + len(dst)]), dst
 
 
 def retain_decision(requested: bool | None, default: bool, has_blocks: bool) -> bool:

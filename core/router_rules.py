@@ -12,10 +12,13 @@ Rules kept here:
   minimum length, no logprobs or echo, no structured-output constraint, not streamed; its
   output is thrown away, so nothing that only shapes the output is kept.
 - The decode leg is the client's request as sent.
-- Put-back and retry (`retry_prefill_without_reuse`, `put_back`): a prefill that failed on the
-  server side (5xx) while reading retained KV is retried once without it; a conversation's
-  handle taken for a turn goes back to the table only when the turn stored no newer one,
-  nothing newer is there and the handle is still alive.
+- Retain (`asks_retain`): the router asks decode to keep a turn's KV only in bidirectional
+  mode and only for a request that names a conversation (nothing else could find it again).
+- Put-back and retry (`retry_prefill_without_reuse`, `put_back`, `after_turn`): a prefill that
+  failed on the server side (5xx) while reading retained KV is retried once without it, as the
+  exchange's next attempt (`connector_rules.next_attempt`); when a turn ends, the handle it took
+  is released once a newer one replaced it in the table, and goes back to the table only when
+  the turn stored no newer one, nothing newer is there and the handle is still alive.
 
 Pure functions of JSON-like dicts; no I/O.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +126,31 @@ def retry_prefill_without_reuse(had_reuse: bool, kind: str, status: int) -> bool
     return had_reuse and kind in ("status", "protocol") and status >= 500
 
 
+def asks_retain(mode: str, has_conversation: bool) -> bool:
+    """Does the router ask decode to retain this request's KV for the conversation's next
+    turn?"""
+    return mode == "bidirectional" and has_conversation
+
+
 def put_back(*, stored_new: bool, taken_expires_at: float, now: float,
              table_has_newer: bool) -> bool:
     """Give the handle a turn took back to the conversation table? Only when the turn stored
     no newer one, nothing newer is there, and it is still alive: the old KV is still a prefix
     of the conversation."""
     return not stored_new and not table_has_newer and taken_expires_at > now
+
+
+TurnEnd = Literal["release", "put_back", "keep", "drop"]
+
+
+def after_turn(*, stored_new: bool, taken_lease: str, current_lease: str | None,
+               taken_expires_at: float, now: float) -> TurnEnd:
+    """What the router does, when a turn ends, with the retained handle the turn took:
+    "release" it on its decode (the table now holds a newer one), "put_back" into the table
+    (`put_back`), "keep" (the table still names it), or "drop" (let its lease run out)."""
+    if stored_new:
+        return "keep" if current_lease == taken_lease else "release"
+    if put_back(stored_new=False, taken_expires_at=taken_expires_at, now=now,
+                table_has_newer=current_lease is not None):
+        return "put_back"
+    return "drop"

@@ -95,7 +95,6 @@ logger = logging.getLogger(__name__)
 
 _OK_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
 _TICK_EVERY = 0.02
-PIN_MARGIN = 0.3  # a READ ends this long before the lease it reads under could expire
 
 
 @dataclass(slots=True)
@@ -424,6 +423,7 @@ class SchedulerHalf:
         self.by_key.pop(req.key, None)
         req.attempt = rules.next_attempt(req.attempt)
         req.blocks = []
+        req.shared, req.local_hit = [], 0  # the re-schedule has a prefix hit of its own
         self.by_key[req.key] = req
         logger.info("kvplane %s: %s for %s; computing it locally (attempt %d)",
                     self.me.instance, why, req.leg.xfer, req.attempt)
@@ -445,7 +445,7 @@ class SchedulerHalf:
                     tuple(block_runs(plan, src.layout.block_size, self.layout.block_size)),
                     notify=self._notif("READ", {"xfer": xfer, "attempt": attempt}),
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
-                                                 src.expires_at, margin=PIN_MARGIN),
+                                                 src.expires_at, margin=rules.PIN_MARGIN),
                     purpose="pull", pin=self._pin_body("pull", wire, xfer, attempt)))
             elif ev.direction == "D->P":  # reuse: READ decode's retained blocks
                 handle = self.retained_of[(xfer, attempt)]
@@ -457,7 +457,7 @@ class SchedulerHalf:
                     "read", xfer, attempt, handle.source,
                     tuple(block_runs(plan, handle.layout.block_size, self.layout.block_size)),
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
-                                                 handle.expires_at, margin=PIN_MARGIN),
+                                                 handle.expires_at, margin=rules.PIN_MARGIN),
                     purpose="reuse",
                     pin=self._pin_body("reuse", wire, xfer, attempt) if wire else ""))
             else:  # push: WRITE into decode's registered blocks
@@ -596,6 +596,7 @@ class SchedulerHalf:
         if req is None:
             return 0, False
         n_prompt = int(request.num_prompt_tokens)
+        self._sync_preemption(req, self.clock())  # a preempted request starts a new attempt
         if req.role == "decode":
             if not req.blocks:
                 req.local_hit = num_computed
@@ -604,19 +605,24 @@ class SchedulerHalf:
             have = n_prompt if req.leg.pull is None else min(n_prompt, req.leg.pull.num_tokens)
             window = rules.decode_load(n_prompt, have, num_computed, self.layout.block_size)
             return (window.num_tokens, True) if window is not None else (0, False)
-        if req.leg.reuse is None or req.started or num_computed > 0:
-            # (a local prefix hit would need the read to start past it; prefix caching is off)
+        if not req.blocks:
+            req.local_hit = num_computed
+        if req.leg.reuse is None or req.started:
             return 0, False
-        if req.leg.reuse.layout.block_size != self.layout.block_size:
+        if req.leg.reuse.layout.block_size != self.layout.block_size \
+                or num_computed % self.layout.block_size:
             return 0, False  # whole blocks move: only between equal block sizes
-        if req.decision is None:
+        made = next((e for e in req.decision or () if isinstance(e, ReuseDecided)), None)
+        if req.decision is None or (made is not None and made.local_hit_tokens != num_computed):
+            # (decided again when vLLM asks again with another local hit: the read starts
+            # right after it)
             handle = req.leg.reuse
             prompt = list(request.prompt_token_ids or [])
             cmd = pcore.DecideReuse(
                 req.leg.xfer, req.attempt, handle.core_handle(),
                 block_hashes(prompt, handle.block_size, self.salt_of(request)), n_prompt,
                 num_computed, threshold=self.cfg.kv_recompute_threshold,
-                estimated_read=self.cfg.reuse_read_estimate)
+                estimated_read=self.cfg.reuse_read_estimate, margin=rules.READ_MARGIN)
             try:
                 req.decision = self.prefill.decide(cmd, self.clock())
             except ProtocolError as exc:
@@ -652,16 +658,23 @@ class SchedulerHalf:
             ev = next((e for e in decision if isinstance(e, ReuseDecided)), None)
             handle = req.leg.reuse
             if ev is not None and ev.outcome == "read" and external > 0 and handle is not None:
-                reuse_blocks, rest = rules.reuse_split(new, external, self.layout.block_size)
-                new = list(rest)
+                # the read fills the blocks right after prefill's own local hit (those are
+                # prefill's, computed before; shared with other requests, never written)
+                src_blocks, reuse_blocks = rules.reuse_read(
+                    handle.blocks, new, req.local_hit, external, self.layout.block_size)
+                hit = new[:req.local_hit // self.layout.block_size]
+                if hit:
+                    self._handle("prefill", pcore.Allocate(xfer, attempt, tuple(hit)), now)
+                    req.blocks += hit
+                new = new[len(hit) + len(reuse_blocks):]
                 self._handle("prefill", pcore.Allocate(xfer, attempt, reuse_blocks, "reuse"),
                              now)
                 req.blocks += reuse_blocks
                 self.retained_of[(xfer, attempt)] = handle
                 req.vllm = "waiting_kv"
                 started = self._handle("prefill", pcore.StartReuseRead(
-                    xfer, attempt, handle.core_handle(), handle.blocks[:len(reuse_blocks)],
-                    handle.layout, external), now)
+                    xfer, attempt, handle.core_handle(), src_blocks, handle.layout, external,
+                    dst_blocks=reuse_blocks), now)
                 if not started:  # refused: vLLM recomputes those tokens (same attempt)
                     self.pending.finished_recving.add(req.rid)
                     self.pending.failed_recving.add(req.rid)
@@ -671,10 +684,9 @@ class SchedulerHalf:
             req.blocks += new
         if not req.started:
             req.started = True
-            prompt = int(req.request.num_prompt_tokens)
+            prompt, cached = int(req.request.num_prompt_tokens), external + req.local_hit
             self._record(PrefillStarted(at=now, instance=self.me.instance, request=xfer,
-                                        computed_tokens=prompt - external,
-                                        cached_tokens=external))
+                                        computed_tokens=prompt - cached, cached_tokens=cached))
 
     def _decode_alloc(self, req: Req, blocks: list[int], new: list[int], external: int,
                       now: float) -> None:
@@ -699,7 +711,7 @@ class SchedulerHalf:
                     mode=leg.mode, src_blocks=window.src(leg.pull.blocks) if leg.pull else (),
                     timeout=self.cfg.kv_wait_timeout,
                     src_expires_at=leg.pull.expires_at if leg.pull else None,
-                    read_margin=0.5)
+                    read_margin=rules.READ_MARGIN)
                 req.blocks = list(dst)
                 events = self._handle("decode", cmd, now)
             except Exception as exc:  # noqa: BLE001 - the wall: compute the prompt instead

@@ -59,6 +59,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 from aiohttp import web
 
+from kvplane.core.connector_rules import next_attempt
 from kvplane.core.events import (
     Event,
     FirstTokenEmitted,
@@ -73,7 +74,12 @@ from kvplane.core.events import (
     SessionTaken,
 )
 from kvplane.core.reuse import RetainedHandle
-from kvplane.core.router_rules import check_request, put_back, retry_prefill_without_reuse
+from kvplane.core.router_rules import (
+    after_turn,
+    asks_retain,
+    check_request,
+    retry_prefill_without_reuse,
+)
 from kvplane.core.routing import Load, Policy, choose
 from kvplane.core.sessions import SessionKey, SessionTable
 
@@ -566,7 +572,7 @@ class Router(ContactsMixin, LeasesMixin):
             if not retry_prefill_without_reuse(reuse is not None, exc.kind, exc.status):
                 raise
             self._reuse_failed(turn, "prefill_error", f"prefill failed with the handle: {exc}")
-            turn.attempt += 1
+            turn.attempt = next_attempt(turn.attempt)
             return await self._prefill_leg(turn, None)
         info = kvplane_params(answer)
         outcome = info.get("reuse") if info else None
@@ -692,7 +698,7 @@ class Router(ContactsMixin, LeasesMixin):
     ) -> web.StreamResponse:
         up, prefill = turn.decode, turn.prefill
         assert up is not None and prefill is not None
-        retain = self.config.mode == "bidirectional" and turn.key is not None
+        retain = asks_retain(self.config.mode, turn.key is not None)
         body = decode_body(
             turn.body,
             mode=self.config.mode,
@@ -874,11 +880,12 @@ class Router(ContactsMixin, LeasesMixin):
         if taken is None:
             return
         current = self.table.handle_of(*key)
-        if turn.stored:
-            if current is None or current.lease != taken.lease:
-                self._release_later(key, taken, turn.taken_wire, "superseded")
-        elif put_back(stored_new=turn.stored, taken_expires_at=taken.expires_at, now=now,
-                      table_has_newer=current is not None):
+        action = after_turn(stored_new=turn.stored, taken_lease=taken.lease,
+                            current_lease=current.lease if current else None,
+                            taken_expires_at=taken.expires_at, now=now)
+        if action == "release":
+            self._release_later(key, taken, turn.taken_wire, "superseded")
+        elif action == "put_back":
             # nothing newer (the turn failed, or decode kept nothing): the old KV is still a
             # prefix of the conversation, so keep it for the next turn
             self._store(key, taken, turn.taken_wire, turn.id, now)

@@ -4,7 +4,11 @@ through `kvplane.core`.
 Rules kept here:
 - Every protocol decision is made by a core machine (`PrefillCore`, `DecodeCore`,
   `SessionTable`, `decide_reuse`, `routing.choose`), called with `now = env.now`; the simulator
-  only moves time, hands out block ids and carries messages. Every event the core returns, and
+  only moves time, hands out block ids and carries messages. The per-request rules the live
+  connector and router follow are the simulator's too (`core.connector_rules`: what decode
+  loads, which blocks a reuse read fills, retain and its TTL, the attempt a recompute is;
+  `core.router_rules`: whether the router asks to retain, what it does with a taken handle when
+  a turn ends). Every event the core returns, and
   every observation (arrival, first token, finish, engine stall), goes to the recorder.
 - Costs come from a `Costs` object built from profiles; nothing here knows a GPU or a model.
 - Pull mode prepares descriptors inside decode's engine loop (unless `pull_reader_thread`): the
@@ -30,8 +34,10 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import simpy
 
+from kvplane.core import connector_rules as rules
 from kvplane.core import decode as D
 from kvplane.core import prefill as P
+from kvplane.core import router_rules
 from kvplane.core import sessions as S
 from kvplane.core.events import (
     BlocksFreed,
@@ -103,7 +109,7 @@ class EngineConfig:
     heartbeat_extension: float = 20.0
     idle_after: float = 60.0
     recompute_threshold: int = 64
-    read_margin: float = 0.05
+    read_margin: float = rules.READ_MARGIN  # the live connector's margin
     hold_ttl: float = 30.0
     hold_heartbeat: float = 5.0
     hold_extension: float = 20.0
@@ -147,6 +153,8 @@ class SimRequest:
     stall_s: float = 0.0
     cached: int = 0
     ok: bool = True
+    taken: RetainedHandle | None = None  # the conversation's handle this turn took
+    attempt: int = 0  # decode's attempt: a failed load's local compute is the next one
     itl: list[tuple[float, int]] = field(default_factory=list)
 
 
@@ -620,18 +628,22 @@ class DecodeInstance(Instance):
     def admit(self, r: SimRequest, blocks: tuple[int, ...]) -> None:
         cfg, env = self.sim.cfg, self.sim.env
         self.loading.add(r.id)
-        kv_blocks = blocks
         pf = self.sim.prefills[r.prefill]
+        # decode has no local prefix hit here (its prefix cache is not modelled): the core rule
+        # then loads the whole prompt into all of the request's blocks
+        window = rules.decode_load(r.prompt, r.prompt, 0, self.layout.block_size)
+        assert window is not None
+        kv_blocks = window.dst(blocks)
         if cfg.mode == "push":
-            events = self.do(D.ExpectKV(r.id, 0, r.prefill, kv_blocks, r.prompt, pf.layout,
-                                        "push", timeout=cfg.kv_timeout))
+            events = self.do(D.ExpectKV(r.id, 0, r.prefill, kv_blocks, window.num_tokens,
+                                        pf.layout, "push", timeout=cfg.kv_timeout))
             self.kv_deadline(r, env.now + cfg.kv_timeout)
             env.process(self._send_registration(r, events, pf))
         else:
             hold = pf.core.leases.leases.get(P.hold_lease_id(r.id, 0))
             events = self.do(D.ExpectKV(
-                r.id, 0, r.prefill, kv_blocks, r.prompt, pf.layout, "pull",
-                src_blocks=hold.blocks if hold else (),
+                r.id, 0, r.prefill, kv_blocks, window.num_tokens, pf.layout, "pull",
+                src_blocks=window.src(hold.blocks) if hold else (),
                 src_expires_at=hold.expires_at if hold else env.now,
                 read_margin=cfg.read_margin))
             for e in events:
@@ -673,7 +685,15 @@ class DecodeInstance(Instance):
 
     def fallback(self, r: SimRequest) -> None:
         """The KV will not come: decode computes the prompt itself (a stall of its loop); the
-        request is still served, and the core's KVLoadFailed records why."""
+        request is still served, and the core's KVLoadFailed records why. As in the live
+        connector, the local compute is the exchange's next attempt (`next_attempt`): the
+        failed attempt's books end and its blocks are taken again for the compute."""
+        if self.core.phase(r.id, r.attempt) == "decoding":
+            self.do(D.Finish(r.id, r.attempt))
+        r.attempt = rules.next_attempt(r.attempt)
+        blocks = self.pool.take(self.held.get(r.id, 0))
+        assert blocks is not None, "the blocks just freed are free"
+        self.do(D.Allocate(r.id, r.attempt, blocks))
         self.recomputes.append(r)
         self.poke()
 
@@ -790,7 +810,7 @@ class DecodeInstance(Instance):
             new = got.get(r.id)
             if new:
                 self.held[r.id] = self.held.get(r.id, 0) + len(new)
-                self.do(D.Allocate(r.id, 0, tuple(new)))
+                self.do(D.Allocate(r.id, r.attempt, tuple(new)))
 
     def _advance(self, steps: int, durations: list[float], stall: float, start: float) -> None:
         env = self.sim.env
@@ -822,14 +842,20 @@ class DecodeInstance(Instance):
         held = self.held.pop(r.id, 0)
         self.pool.reserved -= max(0, -(-(r.prompt + r.output) // bs) - held)
         retain = None
-        if cfg.bidirectional and r.conversation is not None:
-            retain = D.Retain(f"{r.id}/kv", cfg.ttl, cfg.renewable, r.prompt + r.output,
-                              hex_chain(r.retained_hashes))
-        for e in self.do(D.Finish(r.id, 0, retain)):
+        # the router's wish for this request, decode's default (kvplane's: off), the core rules
+        mode = "bidirectional" if cfg.bidirectional else cfg.mode
+        wish = router_rules.asks_retain(mode, r.conversation is not None) or None
+        if rules.retain_decision(wish, False, has_blocks=True):
+            retain = D.Retain(f"{r.id}/kv", rules.retain_ttl(cfg.ttl, None), cfg.renewable,
+                              r.prompt + r.output, hex_chain(r.retained_hashes))
+        stored = False
+        for e in self.do(D.Finish(r.id, r.attempt, retain)):
             if isinstance(e, LeaseGranted):
                 self.retained[e.lease] = None
                 self.expire_at(e.lease, e.expires_at)
                 self.sim.router.store(r, e)
+                stored = True
+        self.sim.router.turn_ended(r, stored)
         self.sim.finished(r)
         self.on_freed()
 
@@ -960,19 +986,19 @@ class Router:
                                        cfg.read_margin))[0]
         assert isinstance(decision, ReuseDecided)
         r.reuse_outcome = decision.outcome
+        r.taken = handle  # given back or released when the turn ends (Router.turn_ended)
         if decision.outcome != "read" or handle is None or d is None:
-            if handle is not None and d is not None:
-                d.do(Release(handle.lease, f"not read: {decision.outcome}"))
             return local_hit
         pin = d.do(BeginRead(handle.lease, r.id, estimate, cfg.read_margin))
         if not any(isinstance(e, LeasePinned) for e in pin):
             r.reuse_outcome = "refused"
             return local_hit
         lease = d.core.leases.leases[handle.lease]
-        src = lease.blocks[: decision.matched_tokens // d.layout.block_size]
+        src, dst = rules.reuse_read(lease.blocks, pf.blocks[r.id], local_hit,
+                                    decision.remote_tokens, d.layout.block_size)
         start = env.now
         events = pf.do(P.StartReuseRead(r.id, 0, handle, src, d.layout,
-                                        decision.matched_tokens))
+                                        decision.remote_tokens, dst_blocks=dst))
         plan = next(e for e in events if isinstance(e, TransferPlanned))
         r.read_runs, r.read_blocks = plan.runs, len(src)
         descriptors = plan.descriptors
@@ -987,9 +1013,25 @@ class Router:
                                                       plan.expected_notifications))
         pf.do(P.ReuseReadDone(r.id, 0))
         d.do(EndRead(handle.lease, r.id))
-        d.do(Release(handle.lease, "read by the next turn"))
         r.reuse_read_s = env.now - start
         return max(local_hit, decision.matched_tokens)
+
+    def turn_ended(self, r: SimRequest, stored: bool) -> None:
+        """The handle the turn took: released, put back or let run out, as the live router
+        does (`router_rules.after_turn`)."""
+        taken, r.taken = r.taken, None
+        if taken is None or r.conversation is None:
+            return
+        current = self.table.handle_of(r.tenant, r.conversation)
+        action = router_rules.after_turn(
+            stored_new=stored, taken_lease=taken.lease,
+            current_lease=current.lease if current else None,
+            taken_expires_at=taken.expires_at, now=self.sim.env.now)
+        d = self.sim.decodes.get(taken.decode)
+        if action == "release" and d is not None and taken.lease in d.core.leases.leases:
+            d.do(Release(taken.lease, "superseded"))
+        elif action == "put_back":
+            self.sim.do(self.table, S.Store(r.tenant, r.conversation, taken, r.id))
 
     def read_estimate(self, pf: PrefillInstance, d: DecodeInstance, tokens: int) -> float:
         """An upper bound of the read's time, so the lease check errs on the safe side."""

@@ -143,3 +143,34 @@ def test_retry_and_put_back() -> None:
     assert not rr.put_back(stored_new=True, taken_expires_at=10, now=5, table_has_newer=False)
     assert not rr.put_back(stored_new=False, taken_expires_at=10, now=10, table_has_newer=False)
     assert not rr.put_back(stored_new=False, taken_expires_at=10, now=5, table_has_newer=True)
+
+
+@given(hit_blocks=st.integers(0, 6), remote=st.integers(0, 200), bs=st.sampled_from([4, 16]))
+def test_a_reuse_read_lands_past_the_local_hit_at_the_same_positions(hit_blocks: int,
+                                                                     remote: int,
+                                                                     bs: int) -> None:
+    retained = list(range(500, 520))
+    blocks = list(range(10, 30))
+    src, dst = rules.reuse_read(retained, blocks, hit_blocks * bs, remote, bs)
+    n = min(-(-remote // bs), len(blocks) - hit_blocks)
+    assert dst == tuple(blocks[hit_blocks:hit_blocks + n])  # never a block of the hit
+    assert src == tuple(retained[hit_blocks:hit_blocks + len(dst)])  # same positions
+
+
+def test_the_router_asks_to_retain_only_for_a_conversation_in_bidirectional_mode() -> None:
+    assert rr.asks_retain("bidirectional", True)
+    assert not rr.asks_retain("bidirectional", False)
+    assert not rr.asks_retain("pull", True) and not rr.asks_retain("push", True)
+
+
+@pytest.mark.parametrize(("stored", "current", "expires", "want"), [
+    (True, "new", 50.0, "release"),  # a newer turn's KV replaced it
+    (True, "old", 50.0, "keep"),  # the table still names it
+    (False, None, 50.0, "put_back"),  # nothing newer, still alive
+    (False, None, 5.0, "drop"),  # expired: let it go
+    (False, "other", 50.0, "drop"),  # another turn stored a newer one meanwhile
+])
+def test_what_the_router_does_with_a_taken_handle_when_the_turn_ends(
+        stored: bool, current: str | None, expires: float, want: str) -> None:
+    assert rr.after_turn(stored_new=stored, taken_lease="old", current_lease=current,
+                         taken_expires_at=expires, now=10.0) == want

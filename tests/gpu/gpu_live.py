@@ -28,9 +28,7 @@ import importlib.util
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -45,13 +43,13 @@ import pytest
 
 from kvplane.core import events as ev
 from kvplane.core.replay import replay
-from kvplane.store import open_store
 
 
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
+def _servers_module() -> ModuleType:
+    """tests/live/servers.py, once, under the name the live tests use (see servers.helper)."""
+    full = "kvplane_live_servers"
     if full not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "live" / f"{name}.py"
+        path = Path(__file__).resolve().parent.parent / "live" / "servers.py"
         spec = importlib.util.spec_from_file_location(full, path)
         assert spec is not None and spec.loader is not None
         sys.modules[full] = module = importlib.util.module_from_spec(spec)
@@ -59,11 +57,9 @@ def _load(name: str) -> ModuleType:
     return sys.modules[full]
 
 
-_servers = _load("servers")
-VllmServer, PdClient = _servers.VllmServer, _servers.PdClient
-complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
+_servers = _servers_module()
+VllmServer, PdClient, complete = _servers.VllmServer, _servers.PdClient, _servers.complete
 free_port = _servers.free_port
-tiny_model_dir = _load("tiny_model").tiny_model_dir
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(600)]
 
@@ -108,35 +104,13 @@ class Report:
 
 
 @dataclass
-class Cluster:
-    prefill: VllmServer
-    decode: VllmServer
-    plain: VllmServer
-    db: Path
-    run: str
-    logs: Path
-    report: Report
+class Cluster(_servers.PdCluster):  # type: ignore[misc]
+    """servers.PdCluster (prefill, decode, the plain server, the router) with the report."""
 
-    @property
-    def client(self) -> PdClient:
-        return PdClient(self.prefill, self.decode)
+    report: Report | None = None
 
-    def events(self, settle: float = 0.6) -> list[ev.Event]:
-        time.sleep(settle)  # the recorders write every 0.2 s
-        with open_store(str(self.db)) as store:
-            return sorted(store.events(self.run), key=lambda e: e.at)
-
-    def wait_for(self, xfer: str, kind: type[ev.Event], timeout: float = 30.0,
-                 **match: object) -> list[ev.Event]:
-        deadline = time.monotonic() + timeout
-        while True:
-            evs = [e for e in self.events(settle=0.2) if e.request == xfer]
-            if only(evs, kind, **match) or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.3)
-
-    def reference(self, p: list[int]) -> list[int]:
-        return complete(self.plain.url, p, MAX_TOKENS).token_ids
+    def reference(self, p: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        return list(super().reference(p, max_tokens))
 
 
 def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[ev.Event]:
@@ -197,42 +171,36 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     _servers.require_vllm()
     import vllm
 
-    model = tiny_model_dir()
-    logs = _servers.log_dir("gpu")
-    db = logs / "events.db"
-    run = f"gpu-{uuid.uuid4().hex[:8]}"
-    cfg = {"kvplane_db": str(db), "kvplane_run": run, "kv_wait_timeout": WAIT,
-           "transfer_timeout": 10.0, "kv_recompute_threshold": 64,
+    cfg = {"kv_wait_timeout": WAIT, "transfer_timeout": 10.0, "kv_recompute_threshold": 64,
            "decoder_kv_blocks_ttl": 120, "write_margin": 1.0}
-    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    extra = dict(getattr(request.module, "SERVER_ENV", {}))
-    args = list(getattr(request.module, "SERVER_ARGS", []))
-    prefill = DeviceServer("prefill", model, logs, connector=dict(cfg), env={**env, **extra},
-                           extra_args=list(args))
-    decode = DeviceServer("decode", model, logs, connector=dict(cfg), env={**env, **extra},
-                          extra_args=list(args))
-    plain = DeviceServer("plain", model, logs, env=dict(env), extra_args=list(args))
+    extra = tuple(getattr(request.module, "SERVER_ENV", {}).items())
+    args = tuple(getattr(request.module, "SERVER_ARGS", ()))
+    with_connector = _servers.Side(env=extra)
     started = time.monotonic()
-    start_all([prefill, decode, plain], timeout=480)
-    print(f"\nthree servers healthy after {time.monotonic() - started:.0f} s; logs in {logs}")
-    styles = {s.name: _styles_in_log(s) for s in (prefill, decode)}
-    assert len(set(styles.values())) == 1, f"the servers report different API styles: {styles}"
-    report = Report(_device_name(), str(vllm.__version__), styles["decode"])
-    c = Cluster(prefill, decode, plain, db, run, logs, report)
+    base = _servers.pd_cluster(
+        "gpu", cfg, prefill=with_connector, decode=with_connector,
+        common=_servers.Side(args=args, env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"),)),
+        server=DeviceServer, timeout=480)
+    print(f"\nthree servers healthy after {time.monotonic() - started:.0f} s")
+    c = Cluster(**vars(base))
     try:
+        styles = {s.name: _styles_in_log(s) for s in (c.prefill, c.decode)}
+        assert len(set(styles.values())) == 1, \
+            f"the servers report different API styles: {styles}"
+        c.report = report = Report(_device_name(), str(vllm.__version__), styles["decode"])
         yield c
     finally:
-        stop_all([prefill, decode, plain])
-        try:
-            times = transfer_times(c.events(settle=0.5))
-        except Exception as exc:  # noqa: BLE001 - the report must still be written
-            times = {"error": repr(exc)}
-        out = Path(os.environ.get("KVPLANE_GPU_REPORT", str(logs)))
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_live.json").write_text(json.dumps(
-            {"device": report.device, "vllm": report.vllm, "vllm_api": report.api,
-             "checks": report.checks, "transfer_times": times}, indent=1))
-        print(f"report written to {out / 'gpu_live.json'}")
+        _servers.stop_cluster(c)
+    try:
+        times = transfer_times(c.events(settle=0.5))
+    except Exception as exc:  # noqa: BLE001 - the report must still be written
+        times = {"error": repr(exc)}
+    out = Path(os.environ.get("KVPLANE_GPU_REPORT", str(c.logs)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_live.json").write_text(json.dumps(
+        {"device": report.device, "vllm": report.vllm, "vllm_api": report.api,
+         "checks": report.checks, "transfer_times": times}, indent=1))
+    print(f"report written to {out / 'gpu_live.json'}")
 
 
 # ---- transfers that work ----------------------------------------------------------------------
@@ -287,41 +255,9 @@ def test_bidirectional_second_turn_reads_decode_kv(cluster: Cluster) -> None:
 # ---- the router ---------------------------------------------------------------------------------
 
 
-def _router(cluster: Cluster, mode: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    kvplane = str(Path(sys.executable).parent / "kvplane")
-    cmd = [kvplane if os.path.exists(kvplane) else "kvplane", "router"]
-
-    def spec(s: VllmServer) -> str:
-        return f"{s.url},id={s.name},side=127.0.0.1:{s.side_port}"
-
-    cmd += ["--prefill", spec(cluster.prefill), "--decode", spec(cluster.decode),
-            "--mode", mode, "--host", "127.0.0.1", "--port", str(port),
-            "--db", str(cluster.db), "--run-id", cluster.run, "--lease-ttl", "120"]
-    log = open(cluster.logs / f"router-{mode}.log", "wb")  # noqa: SIM115 - closed with it
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited with {proc.returncode}: "
-                               f"{(cluster.logs / f'router-{mode}.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("router not healthy after 60 s")
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("mode", ["pull", "push", "bidirectional"])
 def test_router_matches_plain_server(cluster: Cluster, mode: str) -> None:
-    proc, url = _router(cluster, mode)
+    url = cluster.router.use(mode)
     try:
         p = prompt(40 + len(mode))
         body = {"model": _servers.MODEL_NAME, "prompt": p, "max_tokens": MAX_TOKENS,
@@ -337,8 +273,7 @@ def test_router_matches_plain_server(cluster: Cluster, mode: str) -> None:
         assert only(evs, ev.KVReceived, instance="decode"), \
             f"the router's request moved no KV: {evs}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
+        cluster.router.stop()
 
 
 # ---- faults: the prompt is computed where it is needed, with the right tokens ---------------

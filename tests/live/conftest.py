@@ -1,10 +1,31 @@
-"""The live tests need real NIXL: without it they fail loudly (never skip) and say how to fix it."""
+"""The live tests need real NIXL: without it they fail loudly (never skip) and say how to fix it.
+
+The helper modules of this folder (servers.py, tiny_model.py, vllm_api.py) and the GPU suite the
+CPU suite borrows tests from (tests/gpu/gpu_live.py) are loaded here, once, before any test
+module, under names no other test folder can shadow (`kvplane_live_servers`, ...,
+`kvplane_gpu_live`; see servers.helper): a test module imports them by those names.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 
 from kvplane.live.nixl_env import NixlUnavailable, import_nixl_api
+
+_HERE = Path(__file__).resolve().parent
+if "kvplane_live_servers" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("kvplane_live_servers", _HERE / "servers.py")
+    assert _spec is not None and _spec.loader is not None
+    sys.modules[_spec.name] = _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+_servers = sys.modules["kvplane_live_servers"]
+for _name in ("tiny_model", "vllm_api"):
+    _servers.helper(_name)
+_servers.helper("gpu_live", _HERE.parent / "gpu" / "gpu_live.py")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -35,7 +35,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Self
 
 import httpx
 
@@ -262,9 +263,11 @@ class PdClient:
 
     def pull(self, prompt: list[int], max_tokens: int, *, retain: bool = False,
              retain_ttl: float | None = None, reuse: dict[str, Any] | None = None,
-             xfer: str | None = None) -> tuple[Completion, Completion]:
+             xfer: str | None = None, attempt: int = 0) -> tuple[Completion, Completion]:
+        """Prefill's leg, then decode's with prefill's answer. `attempt` > 0 is the router's
+        retry of an exchange (the same transfer id, the next attempt)."""
         xfer = xfer or f"pull-{uuid.uuid4().hex[:12]}"
-        kp: dict[str, Any] = {"v": 1, "mode": "pull", "xfer": xfer}
+        kp: dict[str, Any] = {"v": 1, "mode": "pull", "xfer": xfer, "attempt": attempt}
         if reuse is not None:
             kp["reuse"] = reuse
         p = complete(self.prefill.url, prompt, 1, {"do_remote_decode": True, "kvplane": kp},
@@ -280,15 +283,15 @@ class PdClient:
     def push(self, prompt: list[int], max_tokens: int, *, retain: bool = False,
              retain_ttl: float | None = None, reuse: dict[str, Any] | None = None,
              xfer: str | None = None, order: str = "together",
-             lead: float = 0.5) -> tuple[Completion, Completion]:
+             lead: float = 0.5, attempt: int = 0) -> tuple[Completion, Completion]:
         """Both legs, sharing one transfer id. `order`: "together" (both at once),
         "registration_first" (decode's leg `lead` seconds ahead), "prefill_first" (prefill's
         leg answered before decode's is sent: prefill holds its blocks for the registration)."""
         xfer = xfer or f"push-{uuid.uuid4().hex[:12]}"
-        pk: dict[str, Any] = {"v": 1, "mode": "push", "xfer": xfer}
+        pk: dict[str, Any] = {"v": 1, "mode": "push", "xfer": xfer, "attempt": attempt}
         if reuse is not None:
             pk["reuse"] = reuse
-        dk: dict[str, Any] = {"v": 1, "mode": "push", "xfer": xfer,
+        dk: dict[str, Any] = {"v": 1, "mode": "push", "xfer": xfer, "attempt": attempt,
                               "source": self.prefill_source(), "retain": retain}
         if retain_ttl is not None:
             dk["retain_ttl"] = retain_ttl
@@ -420,22 +423,56 @@ class RouterProcess:
 # ---- the cluster the live modules share -----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Side:
+    """The flags of one server of a cluster: prefix caching (vLLM's default is on), extra vLLM
+    arguments (`--max-num-batched-tokens 64` for chunked prefill, `--num-gpu-blocks-override 24`
+    for a KV cache small enough to preempt) and extra environment."""
+
+    prefix_caching: bool = False
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
 @dataclass
 class PdCluster:
-    """A prefill and a decode server with KvplaneConnector, a plain reference server, and the
-    router in front of the pair (started on first use), all recording into one run."""
+    """A prefill and a decode server with KvplaneConnector, a plain reference server (no
+    connector; None when a module needs none), any further servers with the connector
+    (`extra`, by name), and the router in front of the pair (started on first use), all
+    recording into one run."""
 
     prefill: VllmServer
     decode: VllmServer
-    single: VllmServer
+    single: VllmServer | None
     router: RouterProcess
     db: Path
     run: str
     logs: Path
+    extra: dict[str, VllmServer] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> VllmServer:
+        assert self.single is not None, "this cluster has no plain reference server"
+        return self.single
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        return [self.prefill, self.decode, *([self.single] if self.single else []),
+                *self.extra.values()]
 
     @property
     def client(self) -> PdClient:
         return PdClient(self.prefill, self.decode)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_cluster(self)
+
+    def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """The plain server's greedy tokens for `prompt`."""
+        return complete(self.plain.url, prompt, max_tokens).token_ids
 
     def events(self, settle: float = 0.6) -> list[Any]:
         """Everything the connectors and the router recorded so far, merged by time."""
@@ -449,7 +486,7 @@ class PdCluster:
     def of(self, xfer: str, settle: float = 0.6) -> list[Any]:
         return [e for e in self.events(settle) if e.request == xfer]
 
-    def wait_for(self, xfer: str, kind: type, timeout: float = 15.0,
+    def wait_for(self, xfer: str, kind: type, timeout: float = 20.0,
                  **match: object) -> list[Any]:
         """The events of one exchange, once one of `kind` (matching) is among them."""
         deadline = time.monotonic() + timeout
@@ -462,43 +499,68 @@ class PdCluster:
 
 
 def pd_cluster(suite: str, connector: dict[str, Any], *, handle_key: str = "",
-               prefix_caching: bool = False) -> PdCluster:
-    """Start the shared cluster (the caller stops it with `stop_cluster`)."""
+               prefix_caching: bool = False, prefill: Side | None = None,
+               decode: Side | None = None, plain: Side | None = Side(),
+               common: Side = Side(), extra: tuple[str, ...] = (),
+               model: Path | None = None, server: type[VllmServer] | None = None,
+               timeout: float = 420.0) -> PdCluster:
+    """Start the shared cluster; `with pd_cluster(...) as c:` stops it at the end.
+
+    `connector`: kv_connector_extra_config of the servers with the connector (the event store
+    and run are added). `prefill` / `decode`: their flags (default: `prefix_caching` on both);
+    `plain`: the reference server's (None: no reference); `common`: arguments and environment
+    for every server; `extra`: names of further servers with the connector and the prefill's
+    flags; `model`: the model folder (default: tiny_model.py's); `server`: a VllmServer subclass
+    (the GPU suite's sets device flags)."""
     import uuid
 
     require_vllm()
-    model = _tiny_model().tiny_model_dir()
+    model = model or _tiny_model().tiny_model_dir()
+    kind = server or VllmServer
     logs = log_dir(suite)
     db = logs / "events.db"
     run = f"{suite}-{uuid.uuid4().hex[:8]}"
     cfg = {"kvplane_db": str(db), "kvplane_run": run, **connector}
-    env = {"KVPLANE_HANDLE_KEY": handle_key} if handle_key else {}
-    prefill = VllmServer("prefill", model, logs, connector=dict(cfg), env=dict(env),
-                         prefix_caching=prefix_caching)
-    decode = VllmServer("decode", model, logs, connector=dict(cfg), env=dict(env),
-                        prefix_caching=prefix_caching)
-    single = VllmServer("single", model, logs)
-    start_all([prefill, decode, single])
+    keyed = {"KVPLANE_HANDLE_KEY": handle_key} if handle_key else {}
+    prefill = prefill or Side(prefix_caching=prefix_caching)
+    decode = decode or Side(prefix_caching=prefix_caching)
+
+    def make(name: str, side: Side, with_connector: bool) -> VllmServer:
+        env = {**dict(common.env), **dict(side.env), **(keyed if with_connector else {})}
+        return kind(name, model, logs, connector=dict(cfg) if with_connector else None,
+                    env=env, extra_args=[*common.args, *side.args],
+                    prefix_caching=side.prefix_caching)
+
+    p, d = make("prefill", prefill, True), make("decode", decode, True)
+    single = make("single", plain, False) if plain is not None else None
+    more = {name: make(name, prefill, True) for name in extra}
+    start_all([p, d, *([single] if single else []), *more.values()], timeout=timeout)
     print(f"\nvLLM and router logs and events in {logs}")
-    return PdCluster(prefill, decode, single,
-                     RouterProcess(prefill, decode, db, run, logs, handle_key=handle_key),
-                     db, run, logs)
+    return PdCluster(p, d, single, RouterProcess(p, d, db, run, logs, handle_key=handle_key),
+                     db, run, logs, more)
 
 
-def _tiny_model() -> Any:
-    """tiny_model.py next to this file, under the name the test modules load it by."""
+def helper(name: str, path: Path | None = None) -> ModuleType:
+    """A helper module of the live tests (`name.py` next to this file, or `path`), loaded once
+    under the name `kvplane_live_<name>` (`kvplane_gpu_live` for the GPU suite), which no other
+    test folder can shadow: test folders are not packages here. tests/live/conftest.py loads
+    them all before any test module, which then imports them by those names."""
     import importlib.util
 
-    full = "kvplane_live_tiny_model"
+    full = "kvplane_gpu_live" if name == "gpu_live" else f"kvplane_live_{name}"
     if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full,
-                                                      Path(__file__).with_name("tiny_model.py"))
+        where = path or Path(__file__).with_name(f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, where)
         assert spec is not None and spec.loader is not None
         sys.modules[full] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return sys.modules[full]
 
 
+def _tiny_model() -> Any:
+    return helper("tiny_model")
+
+
 def stop_cluster(c: PdCluster) -> None:
     c.router.stop()
-    stop_all([c.prefill, c.decode, c.single])
+    stop_all(c.servers)

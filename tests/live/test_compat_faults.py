@@ -12,24 +12,8 @@ The tests are the GPU live suite's own (tests/gpu/gpu_live.py), on this machine'
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+import kvplane_gpu_live as _suite
 
-
-def _gpu_suite() -> ModuleType:
-    name = "kvplane_gpu_live"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parent.parent / "gpu" / "gpu_live.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_suite = _gpu_suite()
 pytestmark = _suite.pytestmark
 SERVER_ENV = {"KVPLANE_VLLM_RESULTS": "finished_and_load_errors"}
 

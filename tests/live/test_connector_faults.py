@@ -17,40 +17,19 @@ pull through the same servers (the main live suite shows that equals a plain ser
 from __future__ import annotations
 
 import copy
-import importlib.util
 import random
-import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import kvplane_live_servers as _servers
 import pytest
 
 from kvplane.core import events as ev
 from kvplane.core.replay import replay
-from kvplane.store import open_store
 
-
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
-
-
-_servers = _load("servers")
-PdClient, VllmServer = _servers.PdClient, _servers.VllmServer
-complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
-free_port = _servers.free_port
-tiny_model_dir = _load("tiny_model").tiny_model_dir
+PdClient, complete, free_port = _servers.PdClient, _servers.complete, _servers.free_port
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
@@ -59,30 +38,8 @@ HOLD = 4.0  # prefill's pull hold (kv_lease_duration)
 WAIT = 8.0  # decode's push wait (kv_wait_timeout)
 
 
-@dataclass
-class Cluster:
-    prefill: VllmServer
-    doomed: VllmServer  # a second prefill, killed half-way
-    decode: VllmServer
-    db: Path
-    run: str
-
-    def events(self, settle: float = 0.6) -> list[ev.Event]:
-        time.sleep(settle)
-        with open_store(str(self.db)) as store:
-            return sorted(store.events(self.run), key=lambda e: e.at)
-
-    def of(self, xfer: str, settle: float = 0.6) -> list[ev.Event]:
-        return [e for e in self.events(settle) if e.request == xfer]
-
-    def wait_for(self, xfer: str, kind: type[ev.Event], timeout: float = 20.0,
-                 **match: object) -> list[ev.Event]:
-        deadline = time.monotonic() + timeout
-        while True:
-            evs = self.of(xfer, settle=0.2)
-            if only(evs, kind, **match) or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.3)
+Cluster = _servers.PdCluster
+DOOMED = "prefill-doomed"  # a second prefill, killed half-way
 
 
 def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[ev.Event]:
@@ -97,22 +54,10 @@ def prompt(seed: int, n: int = 80) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    _servers.require_vllm()
-    model = tiny_model_dir()
-    logs = _servers.log_dir("faults")
-    db = logs / "events.db"
-    run = f"faults-{uuid.uuid4().hex[:8]}"
-    cfg = {"kvplane_db": str(db), "kvplane_run": run, "kv_lease_duration": HOLD,
-           "kv_wait_timeout": WAIT, "write_margin": 1.0, "transfer_timeout": 6.0}
-    prefill = VllmServer("prefill", model, logs, connector=dict(cfg))
-    doomed = VllmServer("prefill-doomed", model, logs, connector=dict(cfg))
-    decode = VllmServer("decode", model, logs, connector=dict(cfg))
-    start_all([prefill, doomed, decode])
-    print(f"\nvLLM logs and events in {logs}")
-    try:
-        yield Cluster(prefill, doomed, decode, db, run)
-    finally:
-        stop_all([prefill, doomed, decode])
+    cfg = {"kv_lease_duration": HOLD, "kv_wait_timeout": WAIT, "write_margin": 1.0,
+           "transfer_timeout": 6.0}
+    with _servers.pd_cluster("faults", cfg, plain=None, extra=(DOOMED,)) as c:
+        yield c
 
 
 def reference(cluster: Cluster, p: list[int]) -> list[int]:
@@ -156,18 +101,18 @@ def test_prefill_frees_when_decode_never_reads(cluster: Cluster) -> None:
 
 
 def test_nixl_failure_on_read_is_recorded_and_recomputed(cluster: Cluster) -> None:
-    doomed = PdClient(cluster.doomed, cluster.decode)
+    doomed = PdClient(cluster.extra[DOOMED], cluster.decode)
     doomed.pull(prompt(3), MAX_TOKENS)  # decode now knows the doomed prefill as a NIXL peer
     p = prompt(4)
     ref = reference(cluster, p)
     xfer = f"dead-source-{uuid.uuid4().hex[:6]}"
-    pre = complete(cluster.doomed.url, p, 1, {"do_remote_decode": True, "kvplane": {
+    pre = complete(cluster.extra[DOOMED].url, p, 1, {"do_remote_decode": True, "kvplane": {
         "v": 1, "mode": "pull", "xfer": xfer}})
     # Let its recorder write the hold first: a SIGKILL loses the last 0.2 s of events, and the
     # replay would then (rightly) find decode reading blocks nobody was known to hold.
     assert only(cluster.wait_for(xfer, ev.LeaseGranted, instance="prefill-doomed"),
                 ev.LeaseGranted)
-    cluster.doomed.kill()
+    cluster.extra[DOOMED].kill()
     d = complete(cluster.decode.url, p, MAX_TOKENS, pre.kv_transfer_params)
     assert d.token_ids == ref
     evs = cluster.wait_for(xfer, ev.KVLoadFailed, instance="decode")

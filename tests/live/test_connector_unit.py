@@ -565,3 +565,182 @@ def test_notifications_are_signed_and_forged_ones_dropped() -> None:
     pair.step("P")
     assert rd.request_id in pair.step("D").finished_recving
     assert pair.of(ev.KVReceived, instance="D")
+
+
+# ---- one rule book: the simulator decides through the same core functions ------------------------
+
+
+def _sim_chat_run() -> list[ev.Event]:
+    """A small bidirectional chat scenario through the simulator (kvplane.sim)."""
+    from kvplane.sim.config import scenario_from_data
+    from kvplane.sim.runner import simulate
+
+    sc = scenario_from_data({
+        "name": "rules", "seed": 3, "requests": 12, "warmup_requests": 0,
+        "profiles": {"model": "qwen3-32b", "hardware": "p5en-h200-tp8"},
+        "connector": {"mode": "pull", "bidirectional": True,
+                      "prefix_caching": {"prefill": False, "decode": False}},
+        "workload": {"kind": "multi_turn", "conversation_rate": 0.5,
+                     "turns": {"mean": 3, "dist": "fixed"},
+                     "first_prompt": {"mean": 1024, "dist": "fixed"},
+                     "user_tokens": {"mean": 128, "dist": "fixed"},
+                     "output_len": {"mean": 32, "dist": "fixed"}, "think_time_s": 1.0},
+    }, file="<test>")
+    log: list[ev.Event] = []
+    _sim, summary = simulate(sc.points()[0], log.append)
+    assert summary["finished"] == summary["submitted"]
+    return log
+
+
+def test_sim_and_live_retain_for_the_ttl_the_core_rule_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Change `connector_rules.retain_ttl` and both the live connector's retained lease and
+    the simulator's change with it: neither makes the decision itself."""
+    from kvplane.core import connector_rules
+
+    def retained_ttls() -> tuple[set[float], set[float]]:
+        pair = Pair()
+        pair.half("P")
+        pair.half("D", decoder_kv_blocks_ttl=300)
+        retained_turn(pair, "t1", [5, 6, 7, 8, 9, 10])
+        live = {round(e.expires_at - e.at, 6) for e in pair.of(ev.LeaseGranted, instance="D",
+                                                                purpose="retained")}
+        sim = {round(e.expires_at - e.at, 6) for e in _sim_chat_run()
+               if isinstance(e, ev.LeaseGranted) and e.purpose == "retained"}
+        assert live and sim
+        return live, sim
+
+    live, sim = retained_ttls()
+    assert live == {300.0} and len(sim) == 1 and 7.0 not in sim  # each instance's own TTL
+    monkeypatch.setattr(connector_rules, "retain_ttl", lambda default, requested, floor=0: 7.0)
+    assert retained_ttls() == ({7.0}, {7.0})
+
+
+def test_sim_and_live_take_load_and_turn_decisions_from_the_core(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load window, the reuse read's blocks and the router's end-of-turn rule are called
+    by both drivers (spied on), and a changed end-of-turn rule changes what the simulator's
+    router does."""
+    from kvplane.core import connector_rules, router_rules
+
+    calls: dict[str, list[str]] = {}
+
+    def spy(module: Any, name: str, who: list[str]) -> None:
+        real = getattr(module, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.setdefault(name, []).append(who[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    who = ["live"]
+    for name in ("decode_load", "reuse_read", "retain_decision"):
+        spy(connector_rules, name, who)
+    spy(router_rules, "after_turn", who)
+    pair = Pair()
+    pair.half("P")
+    pair.half("D")
+    handle = retained_turn(pair, "t1", [5, 6, 7, 8, 9, 10])
+    run_pull(pair, "t2", PROMPT + [5, 6, 7, 8, 9, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48],
+             list(range(20, 29)), list(range(30, 40)), [1, 2], reuse=handle)
+    who[0] = "sim"
+    log = _sim_chat_run()
+    for name in ("decode_load", "reuse_read", "retain_decision"):
+        assert {"live", "sim"} <= set(calls[name]), f"{name}: {set(calls[name])}"
+    assert "sim" in calls["after_turn"]  # the live router's use: tests/live/test_router*.py
+    superseded = [e for e in log if isinstance(e, ev.LeaseReleased) and e.reason == "superseded"]
+    assert superseded  # each later turn's new KV replaced the one it read
+    monkeypatch.setattr(router_rules, "after_turn", lambda **_: "drop")
+    log = _sim_chat_run()
+    assert not [e for e in log if isinstance(e, ev.LeaseReleased) and e.reason == "superseded"]
+    assert [e for e in log if isinstance(e, ev.LeaseExpired)]  # left to run out instead
+
+
+def test_preempted_decode_with_a_prefix_hit_recomputes_into_its_own_blocks() -> None:
+    """vLLM preempts a decode request that loaded its KV past a local hit, frees its blocks and
+    schedules it again from scratch, with a new local hit. The re-schedule loads nothing (the
+    one transfer was done), and the blocks of its new hit (shared with other requests) are
+    never counted as its own."""
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    _, (_, params) = run_prefill(pair, "pre", PROMPT, [1, 2, 3, 4, 5])
+    rd = request("pre-d", params, PROMPT)
+    D.on_new_request(rd)
+    assert D.get_num_new_matched_tokens(rd, 8) == (len(PROMPT) - 8, True)
+    D.update_state_after_alloc(rd, [40, 41, 7, 8, 9], len(PROMPT) - 8)
+    pair.step("D")
+    assert rd.request_id in pair.step("D").finished_recving
+    rd.num_preemptions, rd.num_computed_tokens = 1, 0  # vLLM preempted it
+    assert D.get_num_new_matched_tokens(rd, 8) == (0, False)  # no second load
+    D.update_state_after_alloc(rd, [50, 51, 60, 61, 62, 63], 0)
+    again = [e for e in pair.of(ev.BlocksReserved, instance="D") if e.attempt == 1]
+    assert again and all(not {50, 51} & set(e.blocks) for e in again)
+    assert len(pair.of(ev.TransferPlanned, instance="D")) == 1
+    finish(rd, len(PROMPT) + 3, [1, 2, 3, 4])
+    assert D.request_finished(rd, [50, 51, 60, 61, 62, 63]) == (False, None)
+    pair.replay_ok()
+
+
+def test_prefill_with_a_local_hit_reads_only_the_rest_of_the_retained_kv() -> None:
+    """Prefix caching on prefill: its own cache has the first 2 blocks of turn 2, decode's
+    retained KV has 5; prefill reads blocks 3 to 5 (12 tokens) into its blocks after the hit,
+    from the retained blocks at the same positions, and computes the rest. Asked again with
+    another hit, it decides again."""
+    pair = Pair()
+    P = pair.half("P")
+    pair.half("D")
+    out1 = [5, 6, 7, 8, 9, 10]
+    handle = retained_turn(pair, "t1", out1)
+    prompt2 = PROMPT + out1 + [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    rp = request("t2-p", prefill_leg("t2", reuse=handle), prompt2, 1)
+    P.on_new_request(rp)
+    assert P.get_num_new_matched_tokens(rp, 0) == (20, True)  # no hit: 5 blocks
+    assert P.get_num_new_matched_tokens(rp, 8) == (12, True)  # 2 blocks of its own
+    blocks = list(range(20, 27))
+    P.update_state_after_alloc(rp, blocks, 12)
+    pair.step("P")
+    read = pair.of(ev.TransferPlanned, direction="D->P")
+    assert len(read) == 1 and read[0].num_tokens == 12
+    assert read[0].dst_blocks == (22, 23, 24)  # never 20, 21 (its own hit)
+    assert read[0].src_blocks == tuple(handle["blocks"][2:5])
+    started = pair.of(ev.PrefillStarted, request="t2")[0]
+    assert (started.cached_tokens, started.computed_tokens) == (20, len(prompt2) - 20)
+
+
+def test_sim_and_live_number_a_recompute_by_the_core_rule(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`connector_rules.next_attempt` numbers the local compute after a preemption (live) and
+    after a failed load (live and simulator): change it, and both number it so."""
+    from kvplane.core import connector_rules
+    from kvplane.sim.config import scenario_from_data
+    from kvplane.sim.runner import simulate
+
+    monkeypatch.setattr(connector_rules, "next_attempt", lambda attempt: attempt + 7)
+    pair = Pair()
+    pair.half("P")
+    D = pair.half("D")
+    _, (_, params) = run_prefill(pair, "n7", PROMPT, [1, 2, 3, 4, 5])
+    rd = request("n7-d", params, PROMPT)
+    D.on_new_request(rd)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], D.get_num_new_matched_tokens(rd, 0)[0])
+    pair.step("D")
+    pair.step("D")
+    rd.num_preemptions, rd.num_computed_tokens = 1, 0
+    D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [20, 21, 22, 23, 24], 0)
+    assert {e.attempt for e in pair.of(ev.BlocksReserved, instance="D")} == {0, 7}
+
+    sc = scenario_from_data({
+        "name": "n7", "seed": 1, "requests": 6, "warmup_requests": 0,
+        "profiles": {"model": "qwen3-32b", "hardware": "p5en-h200-tp8"},
+        "connector": {"mode": "pull", "pull_hold_lease_s": 0.001},
+        "workload": {"kind": "poisson", "qps": 2, "input_len": {"mean": 512, "dist": "fixed"},
+                     "output_len": {"mean": 16, "dist": "fixed"}}}, file="<test>")
+    log: list[ev.Event] = []
+    simulate(sc.points()[0], log.append)
+    failed = [e for e in log if isinstance(e, ev.KVLoadFailed)]
+    assert failed
+    assert {e.attempt for e in log if isinstance(e, ev.BlocksReserved)
+            and e.instance.startswith("decode")} == {0, 7}

@@ -28,42 +28,27 @@ module fails and says how to install them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
+import kvplane_live_servers as _servers
+import kvplane_live_tiny_model as tiny_model
 import pytest
 
 from kvplane.core import events as ev
 from kvplane.core.replay import replay
 
-
-def _load(name: str) -> ModuleType:
-    """A helper module next to this file, under a name no other test folder can shadow."""
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
-
-
-_servers = _load("servers")
 VllmServer = _servers.VllmServer
 start_all, stop_all, free_port = _servers.start_all, _servers.stop_all, _servers.free_port
 MODEL = _servers.MODEL_NAME
-tiny_model_dir = _load("tiny_model").tiny_model_dir
+tiny_model_dir = tiny_model.tiny_model_dir
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
@@ -89,11 +74,8 @@ Cluster = _servers.PdCluster
 def cluster() -> Iterator[Cluster]:
     cfg = {"kv_recompute_threshold": THRESHOLD, "decoder_kv_blocks_ttl": 120,
            "lease_renewable": True, "lease_extension": 200}
-    c = _servers.pd_cluster("e2e", cfg, handle_key=HANDLE_KEY)
-    try:
+    with _servers.pd_cluster("e2e", cfg, handle_key=HANDLE_KEY) as c:
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 # ---- requests -----------------------------------------------------------------------------------

@@ -24,36 +24,21 @@ After every test both servers must still be alive and healthy. Nothing asserts a
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import json
 import random
 import socket
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
+import kvplane_live_servers as _servers
 import pytest
 
 from kvplane.core import events as ev
 
-
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
-
-
-_servers = _load("servers")
 Cluster = _servers.PdCluster
 MODEL = _servers.MODEL_NAME
 
@@ -67,11 +52,8 @@ HANDLE_KEY = "hostile-handle-key-0123456789abcdef-do-not-log"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     cfg = {"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 60, "transfer_timeout": 20.0}
-    c = _servers.pd_cluster("hostile", cfg, handle_key=HANDLE_KEY, prefix_caching=True)
-    try:
+    with _servers.pd_cluster("hostile", cfg, handle_key=HANDLE_KEY, prefix_caching=True) as c:
         yield c
-    finally:
-        _servers.stop_cluster(c)
 
 
 @pytest.fixture(autouse=True)

@@ -11,39 +11,21 @@ groups is refused by name (unit test below, vLLM-free).
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import kvplane_live_servers as _servers
+import kvplane_live_tiny_model as tiny_model
 import pytest
 
 from kvplane.core import events as ev
 from kvplane.live.connector import layout_from_vllm
-from kvplane.store import open_store
 
-
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
-
-
-_servers = _load("servers")
-VllmServer, PdClient = _servers.VllmServer, _servers.PdClient
-complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
-tiny_swa_model_dir = _load("tiny_swa_model").tiny_swa_model_dir
-WINDOW = _load("tiny_swa_model").WINDOW
+PdClient, complete = _servers.PdClient, _servers.complete
+tiny_swa_model_dir, WINDOW = tiny_model.tiny_swa_model_dir, tiny_model.WINDOW
 
 MAX_TOKENS = 16
 
@@ -73,43 +55,13 @@ def test_several_kv_cache_groups_are_refused_by_name() -> None:
         layout_from_vllm(object(), cfg)
 
 
-@dataclass
-class Cluster:
-    prefill: VllmServer
-    decode: VllmServer
-    plain: VllmServer
-    db: Path
-    run: str
-
-    def of(self, xfer: str, kind: type[ev.Event], timeout: float = 20.0) -> list[ev.Event]:
-        deadline = time.monotonic() + timeout
-        while True:
-            with open_store(str(self.db)) as store:
-                evs = [e for e in store.events(self.run) if e.request == xfer]
-            if any(isinstance(e, kind) for e in evs) or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.3)
+Cluster = _servers.PdCluster
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    _servers.require_vllm()
-    model = tiny_swa_model_dir()
-    logs = _servers.log_dir("swa")
-    db = logs / "events.db"
-    run = f"swa-{uuid.uuid4().hex[:8]}"
-    cfg = {"kvplane_db": str(db), "kvplane_run": run}
-    prefill = VllmServer("prefill", model, logs, connector=dict(cfg))
-    decode = VllmServer("decode", model, logs, connector=dict(cfg))
-    plain = VllmServer("plain", model, logs)
-    start_all([prefill, decode, plain])
-    print(f"\nvLLM logs and events in {logs}")
-    try:
-        yield Cluster(prefill, decode, plain, db, run)
-    finally:
-        stop_all([prefill, decode, plain])
-
-
+    with _servers.pd_cluster("swa", {}, model=tiny_swa_model_dir()) as c:
+        yield c
 
 
 def prompt(seed: int, n: int = 4 * WINDOW) -> list[int]:
@@ -148,6 +100,6 @@ def test_prompts_longer_than_the_window_match_the_plain_server(cluster: Cluster,
         else:
             _, d = client.push(p, MAX_TOKENS, xfer=xfer)
         assert d.token_ids == complete(cluster.plain.url, p, MAX_TOKENS).token_ids
-        evs = cluster.of(xfer, ev.KVReceived)
+        evs = cluster.wait_for(xfer, ev.KVReceived)
         got = [e for e in evs if isinstance(e, ev.KVReceived) and e.instance == "decode"]
         assert got and got[0].num_tokens >= len(p) - 1, f"decode got no KV: {evs}"

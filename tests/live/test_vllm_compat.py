@@ -13,14 +13,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import kvplane_live_vllm_api as vllm_api
 import pytest
 
 from kvplane.live import vllm_compat
@@ -37,17 +35,9 @@ DATA = Path(__file__).resolve().parent.parent / "data" / "vllm_api"
 RECORDED = sorted(p.stem for p in DATA.glob("*.json"))
 
 
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
 
 
-contract = _load("vllm_api").contract
+contract = vllm_api.contract
 
 
 def recorded(version: str) -> dict[str, Any]:

@@ -227,3 +227,19 @@ def test_streaming_summary_keeps_no_request_and_gives_the_same_figures() -> None
         assert json.dumps(streamed[key]) == json.dumps(value), key
     for q in ("mean", "p50", "p90", "p99"):  # ITL from a histogram of 0.1 %-wide bins
         assert streamed["itl_ms"][q] == pytest.approx(exact["itl_ms"][q], rel=2e-3)
+
+
+def test_a_failed_load_is_computed_as_the_next_attempt() -> None:
+    """Prefill's pull hold lapses before decode can read: decode's load fails and it computes
+    the prompt itself, as the exchange's next attempt (the core rule the live connector
+    follows); every request is served and the run replays clean."""
+    from kvplane.core.events import BlocksReserved, KVLoadFailed
+
+    _, log, _s = run(scenario(BASE, connector={"mode": "pull", "pull_hold_lease_s": 0.001}))
+    failed = {e.request for e in log if isinstance(e, KVLoadFailed) and e.attempt == 0}
+    assert failed, "no load failed: the test proves nothing"
+    again = {e.request for e in log if isinstance(e, BlocksReserved) and e.attempt == 1
+             and e.purpose == "decode"}
+    assert failed <= again
+    report = replay(log, final=True)
+    assert report.ok, "\n".join(map(str, report.violations[:10]))
