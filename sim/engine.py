@@ -78,6 +78,10 @@ class Costs(Protocol):
     def message_latency(self) -> float: ...
     def request_overhead(self) -> float: ...
     def reuse_read_setup(self) -> float: ...
+    def request_leg(self) -> float: ...
+    def response_leg(self) -> float: ...
+    def transfer_setup(self) -> float: ...
+    def host_delay_quantiles(self) -> tuple[float, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -414,15 +418,18 @@ class PrefillInstance(Instance):
         return len(self.running) + self.loading
 
     def submit(self, r: SimRequest) -> None:
-        """The prefill leg arrives; the per-request overhead (calibrated, holds no engine)
-        passes before it can be scheduled."""
+        """The prefill leg leaves the router; its trip into the scheduler (`request_leg`) and
+        the per-request overhead (calibrated, holds no engine) pass before it can be
+        scheduled."""
         r.prefill_received = self.sim.env.now
 
         def enqueue(_: Any) -> None:
             self.queue.append(r)
             self.poke()
 
-        self.sim.env.timeout(self.sim.costs.request_overhead()).callbacks.append(enqueue)
+        delay = (self.sim.costs.request_overhead() + self.sim.costs.request_leg()
+                 + self.sim.hop_delay())
+        self.sim.env.timeout(delay).callbacks.append(enqueue)
 
     def local_hits(self, r: SimRequest) -> list[int]:
         """Cached blocks of the prompt's longest cached prefix (whole blocks, never the last
@@ -498,7 +505,7 @@ class PrefillInstance(Instance):
                 n = min(r.prompt - done, budget)
                 step.append((r, n, done))
                 budget -= n
-            t = costs.prefill_batch_time([(n, c) for _, n, c in step])
+            t = costs.prefill_batch_time([(n, c) for _, n, c in step]) + self.sim.hop_delay()
             self._rearm()
             yield env.timeout(t)
             for r, n, c in step:
@@ -544,7 +551,8 @@ class PrefillInstance(Instance):
             yield slot
             r.transfer_start = env.now
             prep = costs.descriptor_prep_time(plan.descriptors, inline=False)
-            yield env.timeout(prep + self.connect(plan.dst))
+            yield env.timeout(prep + self.connect(plan.dst) + costs.transfer_setup()
+                              + self.sim.hop_delay())
             with self.nic.request() as link:
                 yield link
                 yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
@@ -585,8 +593,17 @@ class DecodeInstance(Instance):
             self.admit_wake.succeed()
 
     def submit(self, r: SimRequest) -> None:
-        self.waiting.append(r)
-        self.on_freed()
+        """The decode leg leaves the router; it waits for blocks after its trip into the
+        scheduler (`request_leg`)."""
+        def arrive(_: Any = None) -> None:
+            self.waiting.append(r)
+            self.on_freed()
+
+        leg = self.sim.costs.request_leg() + self.sim.hop_delay()
+        if leg > 0:
+            self.sim.env.timeout(leg).callbacks.append(arrive)
+        else:
+            arrive()
 
     def admit_loop(self) -> Iterator[Any]:
         """A request gets its prompt's blocks once a sequence slot exists and the pool can hold
@@ -666,10 +683,19 @@ class DecodeInstance(Instance):
                     self.kv_ready(r)
 
     def kv_ready(self, r: SimRequest) -> None:
+        """The KV is in decode's blocks. vLLM learns it from the worker's finished receives
+        in the next step's output and schedules the request in the step after: one step
+        passes (an empty one when nothing runs) before the request joins the batch."""
         r.kv_ready = self.sim.env.now
         self.loading.discard(r.id)
-        self.joining.append(r)
-        self.poke()
+
+        def join(_: Any = None) -> None:
+            self.joining.append(r)
+            self.poke()
+
+        costs = self.sim.costs
+        notice = costs.decode_step_time(1, r.prompt) + self.sim.hop_delay()
+        self.sim.env.timeout(notice).callbacks.append(join)
 
     def fallback(self, r: SimRequest) -> None:
         """The KV will not come: decode computes the prompt itself (a stall of its loop); the
@@ -683,8 +709,9 @@ class DecodeInstance(Instance):
         r.transfer_start = env.now
         with pf.nic.request() as link:
             yield link
-            yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
-                                                  plan.expected_notifications))
+            yield env.timeout(costs.transfer_setup() + self.sim.hop_delay()
+                              + costs.transfer_time(plan.bytes, plan.descriptors,
+                                                    plan.expected_notifications))
         r.transfer_end = env.now
         hold_alive = P.hold_lease_id(r.id, 0) in pf.core.leases.leases
         done = self.do(D.PullDone(r.id, 0, ok=hold_alive,
@@ -798,11 +825,12 @@ class DecodeInstance(Instance):
         first_end = start + stall + durations[0]
         rest = sum(durations[1:steps])
         still: list[SimRequest] = []
+        leg = self.sim.costs.response_leg()  # tokens reach the client through the router
         for r in self.running:
             if r.done_tokens == 0:
-                r.first_token = first_end
-                self.sim.rec(FirstTokenEmitted(at=first_end, instance=self.name, request=r.id,
-                                               ttft=first_end - r.arrival))
+                r.first_token = first_end + leg
+                self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
+                                               request=r.id, ttft=r.first_token - r.arrival))
             else:
                 r.itl.append((stall + durations[0], 1))
             if steps > 1:
@@ -810,7 +838,7 @@ class DecodeInstance(Instance):
             r.stall_s += stall
             r.done_tokens += steps
             if r.done_tokens >= r.output:
-                r.finish = env.now
+                r.finish = env.now + leg
                 self.finish(r)
             else:
                 still.append(r)
@@ -830,7 +858,11 @@ class DecodeInstance(Instance):
                 self.retained[e.lease] = None
                 self.expire_at(e.lease, e.expires_at)
                 self.sim.router.store(r, e)
-        self.sim.finished(r)
+        leg = self.sim.costs.response_leg()  # the client sees the end that much later
+        if leg > 0:
+            self.sim.env.timeout(leg).callbacks.append(lambda _: self.sim.finished(r))
+        else:
+            self.sim.finished(r)
         self.on_freed()
 
     def do(self, cmd: Any) -> list[Event]:
@@ -882,7 +914,9 @@ class Router:
 
     def _relay(self, pf: PrefillInstance, r: SimRequest) -> Iterator[Any]:
         sim = self.sim
-        yield sim.env.timeout(sim.costs.message_latency())
+        # prefill's answer comes back through the router (`response_leg`)
+        yield sim.env.timeout(sim.costs.message_latency() + sim.costs.response_leg()
+                              + sim.hop_delay())
         r.decode = self.pick_decode(r)  # pull: decode chosen after prefill, freshest load
         hold_id = P.hold_lease_id(r.id, 0)
         hold = pf.core.leases.leases.get(hold_id)
@@ -980,7 +1014,8 @@ class Router:
             runs = max(1, round(len(src) / cfg.reuse_read_run_blocks))
             descriptors = runs * d.layout.num_layers * 2 * plan.expected_notifications
         prep = sim.costs.descriptor_prep_time(descriptors, inline=False)
-        yield env.timeout(pf.connect(d.name) + sim.costs.reuse_read_setup() + prep)
+        yield env.timeout(pf.connect(d.name) + sim.costs.reuse_read_setup()
+                          + sim.costs.transfer_setup() + prep + sim.hop_delay())
         with d.nic.request() as link:
             yield link
             yield env.timeout(sim.costs.transfer_time(plan.bytes, descriptors,
@@ -997,7 +1032,8 @@ class Router:
         nbytes = tokens * lay.num_layers * 2 * lay.num_kv_heads * lay.head_bytes
         desc = -(-tokens // lay.block_size) * lay.num_layers * 2 * max(pf.layout.tp, lay.tp)
         c = self.sim.costs
-        return (c.reuse_read_setup() + c.descriptor_prep_time(desc, inline=False)
+        return (c.reuse_read_setup() + c.transfer_setup()
+                + c.descriptor_prep_time(desc, inline=False)
                 + c.transfer_time(nbytes, desc, max(pf.layout.tp, lay.tp)))
 
 
@@ -1006,6 +1042,8 @@ class Simulation:
         self.cfg, self.costs = cfg, costs
         self.env = simpy.Environment()
         self.rec: Record = record or (lambda e: None)
+        self._host_quantiles = costs.host_delay_quantiles()
+        self._host_rng = np.random.default_rng(self.seed_for("host"))
         self.requests: dict[str, SimRequest] = {}
         self.done: list[SimRequest] = []
         self.finished_count = 0
@@ -1017,6 +1055,15 @@ class Simulation:
         self.decodes = {f"decode-{i}": DecodeInstance(self, f"decode-{i}")
                         for i in range(cfg.num_decode)}
         self.router = Router(self)
+
+    def hop_delay(self) -> float:
+        """One draw of the calibration's per-hop host delay (0 on a dedicated host)."""
+        q = self._host_quantiles
+        if not q:
+            return 0.0
+        x = self._host_rng.random() * (len(q) - 1)  # inverse CDF, linear between quantiles
+        i = min(int(x), len(q) - 2)
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
 
     def seed_for(self, name: str) -> int:
         return (self.cfg.seed * 1_000_003 + sum(map(ord, name))) % (2**32)
