@@ -369,6 +369,9 @@ def calibrate_fit(
         "bundled one for the seed scenarios.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Name of the new profile.")] = None,  # noqa: UP045
     out: Annotated[Optional[Path], typer.Option(help="Write the calibration YAML here.")] = None,  # noqa: UP045
+    hold: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        help="NAME=VALUE: keep a constant at a value instead of fitting it (e.g. "
+        "prefill_request_overhead=0 to remove that delay); repeatable.")] = None,
 ) -> None:
     """Fit the free constants of a (model kind, hardware) pair to named figures and record
     which figures each constant used; `kvplane validate --calibration FILE` then counts every
@@ -390,11 +393,22 @@ def calibrate_fit(
             base = load_profile(prior, "calibration")
         except ScenarioError as exc:
             _fail(str(exc))
-    result = fit(ids, base, name)  # type: ignore[arg-type]
+    held: dict[str, float] = {}
+    for h in hold or []:
+        key, _, val = h.partition("=")
+        try:
+            held[key.strip()] = float(val)
+        except ValueError:
+            _fail(f"--hold {h!r}: expected NAME=VALUE with a number")
+    try:
+        result = fit(ids, base, name, hold=held)  # type: ignore[arg-type]
+    except ValueError as exc:
+        _fail(str(exc))
     for n, figs in result.fitted.items():
         typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  (from {', '.join(figs)})")
     for n in result.kept:
-        typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  (not determined: kept)")
+        why = "held" if n in held else "not determined: kept"
+        typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  ({why})")
     for fid, r in result.residuals.items():
         typer.echo(f"  residual {fid}: {r * 100:+.2f} %")
     text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),

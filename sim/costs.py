@@ -607,7 +607,7 @@ class SimCosts:
       `request_leg()` per request leg (router to prefill, router to decode), `response_leg()`
       per answer through the router (prefill's in pull mode, the first token to the client),
       `transfer_setup()` per connector transfer (P->D, and a reuse read's D->P).
-      `host_delay_quantiles()` is the calibration's per-hop waiting on a shared host; the
+      `host_slowdown_quantiles()` is the calibration's per-hop slowdown on a shared host; the
       engine draws from it (seeded), since costs here stay free of randomness.
     """
 
@@ -734,10 +734,10 @@ class SimCosts:
         """Fixed part of one connector KV transfer (calibration `transfer_setup`)."""
         return self.calibration.transfer_setup.value
 
-    def host_delay_quantiles(self) -> tuple[float, ...]:
-        """The calibration's per-hop host delay, as quantiles (empty: a dedicated host)."""
-        hd = self.calibration.host_delay
-        return tuple(hd.quantiles) if hd is not None else ()
+    def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]:
+        """The calibration's host slowdown per hop kind, as quantiles (none: a dedicated
+        host)."""
+        return {k: tuple(v.quantiles) for k, v in self.calibration.host_slowdown.items()}
 
     def layout(self, side: Literal["prefill", "decode"]) -> KVLayout:
         """The core's KVLayout of one side."""

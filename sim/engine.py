@@ -81,7 +81,7 @@ class Costs(Protocol):
     def request_leg(self) -> float: ...
     def response_leg(self) -> float: ...
     def transfer_setup(self) -> float: ...
-    def host_delay_quantiles(self) -> tuple[float, ...]: ...
+    def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]: ...
 
 
 @dataclass(frozen=True)
@@ -427,8 +427,8 @@ class PrefillInstance(Instance):
             self.queue.append(r)
             self.poke()
 
-        delay = (self.sim.costs.request_overhead() + self.sim.costs.request_leg()
-                 + self.sim.hop_delay())
+        costs = self.sim.costs
+        delay = costs.request_overhead() + self.sim.hop(costs.request_leg(), "request_leg")
         self.sim.env.timeout(delay).callbacks.append(enqueue)
 
     def local_hits(self, r: SimRequest) -> list[int]:
@@ -505,7 +505,8 @@ class PrefillInstance(Instance):
                 n = min(r.prompt - done, budget)
                 step.append((r, n, done))
                 budget -= n
-            t = costs.prefill_batch_time([(n, c) for _, n, c in step]) + self.sim.hop_delay()
+            t = self.sim.hop(costs.prefill_batch_time([(n, c) for _, n, c in step]),
+                             "prefill_step")
             self._rearm()
             yield env.timeout(t)
             for r, n, c in step:
@@ -551,8 +552,8 @@ class PrefillInstance(Instance):
             yield slot
             r.transfer_start = env.now
             prep = costs.descriptor_prep_time(plan.descriptors, inline=False)
-            yield env.timeout(prep + self.connect(plan.dst) + costs.transfer_setup()
-                              + self.sim.hop_delay())
+            yield env.timeout(prep + self.connect(plan.dst)
+                              + self.sim.hop(costs.transfer_setup(), "transfer"))
             with self.nic.request() as link:
                 yield link
                 yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
@@ -599,7 +600,7 @@ class DecodeInstance(Instance):
             self.waiting.append(r)
             self.on_freed()
 
-        leg = self.sim.costs.request_leg() + self.sim.hop_delay()
+        leg = self.sim.hop(self.sim.costs.request_leg(), "request_leg")
         if leg > 0:
             self.sim.env.timeout(leg).callbacks.append(arrive)
         else:
@@ -693,9 +694,12 @@ class DecodeInstance(Instance):
             self.joining.append(r)
             self.poke()
 
+        # KV received -> first token at the client is one hop on a shared host: this step,
+        # the request's first step and the response leg, slowed together
         costs = self.sim.costs
-        notice = costs.decode_step_time(1, r.prompt) + self.sim.hop_delay()
-        self.sim.env.timeout(notice).callbacks.append(join)
+        step, leg = costs.decode_step_time(1, r.prompt), costs.response_leg()
+        notice = self.sim.hop(2 * step + leg, "first_token") - step - leg
+        self.sim.env.timeout(max(notice, 0.0)).callbacks.append(join)
 
     def fallback(self, r: SimRequest) -> None:
         """The KV will not come: decode computes the prompt itself (a stall of its loop); the
@@ -709,9 +713,10 @@ class DecodeInstance(Instance):
         r.transfer_start = env.now
         with pf.nic.request() as link:
             yield link
-            yield env.timeout(costs.transfer_setup() + self.sim.hop_delay()
-                              + costs.transfer_time(plan.bytes, plan.descriptors,
-                                                    plan.expected_notifications))
+            yield env.timeout(self.sim.hop(costs.transfer_setup()
+                                           + costs.transfer_time(plan.bytes, plan.descriptors,
+                                                                 plan.expected_notifications),
+                                           "transfer"))
         r.transfer_end = env.now
         hold_alive = P.hold_lease_id(r.id, 0) in pf.core.leases.leases
         done = self.do(D.PullDone(r.id, 0, ok=hold_alive,
@@ -915,8 +920,8 @@ class Router:
     def _relay(self, pf: PrefillInstance, r: SimRequest) -> Iterator[Any]:
         sim = self.sim
         # prefill's answer comes back through the router (`response_leg`)
-        yield sim.env.timeout(sim.costs.message_latency() + sim.costs.response_leg()
-                              + sim.hop_delay())
+        yield sim.env.timeout(sim.costs.message_latency()
+                              + sim.hop(sim.costs.response_leg(), "response_leg"))
         r.decode = self.pick_decode(r)  # pull: decode chosen after prefill, freshest load
         hold_id = P.hold_lease_id(r.id, 0)
         hold = pf.core.leases.leases.get(hold_id)
@@ -1014,8 +1019,9 @@ class Router:
             runs = max(1, round(len(src) / cfg.reuse_read_run_blocks))
             descriptors = runs * d.layout.num_layers * 2 * plan.expected_notifications
         prep = sim.costs.descriptor_prep_time(descriptors, inline=False)
-        yield env.timeout(pf.connect(d.name) + sim.costs.reuse_read_setup()
-                          + sim.costs.transfer_setup() + prep + sim.hop_delay())
+        yield env.timeout(pf.connect(d.name) + prep
+                          + sim.hop(sim.costs.reuse_read_setup() + sim.costs.transfer_setup(),
+                                    "transfer"))
         with d.nic.request() as link:
             yield link
             yield env.timeout(sim.costs.transfer_time(plan.bytes, descriptors,
@@ -1042,7 +1048,7 @@ class Simulation:
         self.cfg, self.costs = cfg, costs
         self.env = simpy.Environment()
         self.rec: Record = record or (lambda e: None)
-        self._host_quantiles = costs.host_delay_quantiles()
+        self._host_quantiles = costs.host_slowdown_quantiles()
         self._host_rng = np.random.default_rng(self.seed_for("host"))
         self.requests: dict[str, SimRequest] = {}
         self.done: list[SimRequest] = []
@@ -1056,14 +1062,16 @@ class Simulation:
                         for i in range(cfg.num_decode)}
         self.router = Router(self)
 
-    def hop_delay(self) -> float:
-        """One draw of the calibration's per-hop host delay (0 on a dedicated host)."""
-        q = self._host_quantiles
-        if not q:
-            return 0.0
+    def hop(self, cost: float, kind: str) -> float:
+        """How long a hop of priced `cost` takes on the host: the cost itself on a dedicated
+        host; on a shared one, slowed by one draw of the calibration's slowdown of hops of
+        that kind (request_leg, response_leg, prefill_step, transfer, first_token)."""
+        q = self._host_quantiles.get(kind, ())
+        if not q or cost <= 0:
+            return cost
         x = self._host_rng.random() * (len(q) - 1)  # inverse CDF, linear between quantiles
         i = min(int(x), len(q) - 2)
-        return q[i] + (q[i + 1] - q[i]) * (x - i)
+        return cost * (q[i] + (q[i + 1] - q[i]) * (x - i))
 
     def seed_for(self, name: str) -> int:
         return (self.cfg.seed * 1_000_003 + sum(map(ord, name))) % (2**32)

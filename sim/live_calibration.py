@@ -6,7 +6,7 @@ happened: the router's `RequestArrived`, the prefill and decode schedulers' `Req
 `TransferPlanned` / `TransferCompleted` / `KVReceived`, the router's `FirstTokenEmitted` and
 `RequestFinished` (with its TPOT). Those intervals measure the mechanisms the simulator prices,
 each as its uncontended cost: the lower quintile (20th percentile) over the run, since a
-shared host only ever adds waiting to a hop:
+shared host only ever slows a hop:
 
 | constant | measured as |
 |---|---|
@@ -15,7 +15,7 @@ shared host only ever adds waiting to a hop:
 | `transfer_setup` | decode's P->D `TransferPlanned` -> `TransferCompleted`, less the bytes' time on the link |
 | `step_overhead` | a decode step: the router's TPOT less a batch-1 step's priced arithmetic |
 | `compute_utilization` | prefill's one-step durations (lower quintile per prompt length) against their FLOPs, through the step overhead (least squares) |
-| `host_delay` | every hop above, and the first token's (KV received -> the router's first token: one step to notice the KV, one to compute, the response leg), less its priced cost: the distribution of what the host added, as quantiles |
+| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, and the first token's: KV received -> the router's first token, i.e. one step to notice the KV, one to compute, the response leg), recorded duration over priced cost: how much the host slowed that kind of hop, as quantiles |
 
 Only pull-mode requests without a reuse read are used (the shape of every leg is then known).
 What a run cannot show stays as it was in the prior calibration (memory and network
@@ -33,7 +33,7 @@ from typing import Any
 from kvplane.store import EventStore
 
 from .costs import ComputeCost, TransferCost
-from .profiles import CalibrationProfile, Fitted, HardwareProfile, HostDelay, ModelProfile
+from .profiles import CalibrationProfile, Fitted, HardwareProfile, HostSlowdown, ModelProfile
 
 __all__ = ["LiveFit", "Prediction", "describe", "fit_live", "intervals", "percentile", "predict"]
 
@@ -190,21 +190,31 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                                                         strict=True)]
     leg, resp, setup = (max(_q(iv["request_leg"], QUIET), 0.0),
                         max(_q(iv["response_leg"], QUIET), 0.0), max(_q(setups, QUIET), 0.0))
-    # what the host added to every hop: measured less priced, pooled
+    # how much the host slowed every hop: measured over priced, pooled
     fitted_compute = prior.model_copy(update={
         "step_overhead": prior.step_overhead.model_copy(update={"value": overhead}),
         "compute_utilization": prior.compute_utilization.model_copy(update={"value": mfu})})
     priced = ComputeCost(model, hardware, None, block_size, fitted_compute)
-    extra = [x - leg for x in iv["request_leg"]] + [x - resp for x in iv["response_leg"]]
-    extra += [x - setup for x in setups]
-    extra += [d - priced.prefill_time(int(n)) for n, d in zip(iv["prefill_tokens"],
-                                                             iv["prefill_step"], strict=True)]
-    extra += [d - 2 * priced.decode_step_time(1, int(c)) - resp
-              for d, c in zip(iv["kv_to_first_token"], iv["kv_context"], strict=True)]
-    extra = [max(x, 0.0) for x in extra]
-    quant = [_q(extra, i / (HOST_QUANTILES - 1)) for i in range(HOST_QUANTILES)]
+    pairs: dict[str, list[tuple[float, float]]] = {
+        "request_leg": [(x, leg) for x in iv["request_leg"]],
+        "response_leg": [(x, resp) for x in iv["response_leg"]],
+        "transfer": [(d, setup + wire.wire_time(b, 0))
+                     for d, b in zip(iv["p2d_transfer"], iv["p2d_bytes"], strict=True)],
+        "prefill_step": [(d, priced.prefill_time(int(n)))
+                         for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True)],
+        "first_token": [(d, 2 * priced.decode_step_time(1, int(c)) + resp)
+                        for d, c in zip(iv["kv_to_first_token"], iv["kv_context"], strict=True)],
+    }
+    slowdown: dict[str, HostSlowdown] = {}
+    for kind, xs in pairs.items():
+        slow = [max(x, 0.0) / cost for x, cost in xs if cost > 0]
+        if slow:
+            slowdown[kind] = HostSlowdown(
+                quantiles=[_q(slow, i / (HOST_QUANTILES - 1)) for i in range(HOST_QUANTILES)],
+                fitted_to=[f"live:{run_id}:{kind}"],
+                source=f"calibrated: kvplane calibrate live {run_id}, {len(slow)} {kind} hops' "
+                       "recorded duration over their priced cost")
     n = len(iv["ttft"])
-    hops = ["request_leg", "response_leg", "p2d_transfer", "prefill_step", "kv_to_first_token"]
     upd: dict[str, object] = {
         "request_leg": _fitted(leg, "s", run_id, ["request_leg"],
                                f"lower quintile of {len(iv['request_leg'])} legs (router -> "
@@ -225,10 +235,7 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         # the recorded legs are this run's whole per-request delay
         "prefill_request_overhead": Fitted(value=0.0, unit="s", source=(
             f"derived: kvplane calibrate live {run_id}: the recorded legs replace it")),
-        "host_delay": HostDelay(quantiles=quant, fitted_to=[f"live:{run_id}:{h}" for h in hops],
-                                source=f"calibrated: kvplane calibrate live {run_id}, "
-                                       f"{len(extra)} hops' recorded duration less their "
-                                       "priced cost, clipped at 0"),
+        "host_slowdown": slowdown,
     }
     kept = ["memory_bandwidth_utilization", "network_utilization", "reuse_read_setup"]
     cal = prior.model_copy(update={
@@ -236,8 +243,7 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         "description": f"fitted by kvplane calibrate live to run {run_id} ({n} requests)"})
     measured = {"request_leg": leg, "response_leg": resp, "transfer_setup": setup,
                 "tpot": _q(iv["tpot"], QUIET), "ttft_p50": _q(iv["ttft"], 0.5),
-                "ttft_p90": _q(iv["ttft"], 0.9), "host_delay_p50": _q(extra, 0.5),
-                "host_delay_p90": _q(extra, 0.9)}
+                "ttft_p90": _q(iv["ttft"], 0.9)}
     return LiveFit(cal, measured, n, kept)
 
 
@@ -251,10 +257,10 @@ def describe(fit: LiveFit) -> list[str]:
               "compute_utilization"):
         c = getattr(fit.calibration, k)
         lines.append(f"  {k:<20} {c.value:.6g} {c.unit or ''}  ({c.source})")
-    hd = fit.calibration.host_delay
-    if hd is not None:
-        lines.append("  host_delay quantiles (ms): "
-                     + " ".join(f"{q * 1e3:.1f}" for q in hd.quantiles))
+    for kind, hs in fit.calibration.host_slowdown.items():
+        q = hs.quantiles
+        lines.append(f"  host_slowdown {kind:<13} p10 {_q(q, 0.1):.2f}x p50 {_q(q, 0.5):.2f}x "
+                     f"p90 {_q(q, 0.9):.2f}x max {q[-1]:.2f}x")
     lines.append(f"kept from the prior: {', '.join(fit.kept)}")
     return lines
 

@@ -33,7 +33,7 @@ __all__ = [
     "CalibrationProfile",
     "Fitted",
     "HardwareProfile",
-    "HostDelay",
+    "HostSlowdown",
     "LinkProfile",
     "MLASpec",
     "MoESpec",
@@ -519,20 +519,24 @@ class ScenarioChoice(_Strict):
     fitted_to: list[str] = Field(default_factory=list, description="figure ids it was chosen from")
 
 
-class HostDelay(_Strict):
-    """How long a shared host keeps a ready process waiting, per hop of a request: the
-    distribution of (recorded hop duration - the hop's priced cost), pooled over every hop
-    of a recorded live run, as quantiles at evenly spaced probabilities 0, 1/(n-1), ..., 1.
-    The simulator draws one delay per hop (a leg, an engine step, a transfer, the first
-    token's return), seeded, so a run's TTFT spread follows from the host it was measured on.
+HopKind = Literal["request_leg", "response_leg", "prefill_step", "transfer", "first_token"]
+
+
+class HostSlowdown(_Strict):
+    """How much a shared host slows one kind of hop of a request (a leg through the router, an
+    engine step, a transfer, the first token's return): the distribution of (recorded hop
+    duration / the hop's priced cost) over a recorded live run's hops of that kind, as
+    quantiles at evenly spaced probabilities 0, 1/(n-1), ..., 1. The simulator draws one
+    factor per hop, seeded: on a CPU shared with other work, every process gets a varying
+    share of the cores, so a hop's wall time is its cost divided by that share.
     """
 
-    quantiles: list[float] = Field(min_length=2, description="seconds, ascending [s]")
+    quantiles: list[float] = Field(min_length=2, description="factors, ascending [1]")
     source: str = Field(description="'calibrated: ...', how it was measured")
     fitted_to: list[str] = Field(default_factory=list, description="what it was measured from")
 
     @model_validator(mode="after")
-    def _ascending(self) -> HostDelay:
+    def _ascending(self) -> HostSlowdown:
         q = self.quantiles
         if any(b < a for a, b in itertools.pairwise(q)) or q[0] < 0:
             raise ValueError("quantiles must be ascending and not negative")
@@ -581,8 +585,9 @@ class CalibrationProfile(_Profile):
         "s", "fixed cost of one connector KV read or write besides the bytes: the side "
         "channel's pin round trip, NIXL's preparation and post, completion polling",
         default_factory=lambda: _not_fitted("transfer_setup"))
-    host_delay: HostDelay | None = Field(
-        default=None, description="per-hop waiting of a shared host (none: a dedicated one)")
+    host_slowdown: dict[HopKind, HostSlowdown] = Field(
+        default_factory=dict, description="per-hop slowdown of a shared host, by hop kind "
+        "(empty: a dedicated host)")
     scenario_choices: list[ScenarioChoice] = Field(
         default_factory=list,
         description="scenario inputs chosen with published figures in view (their figures "

@@ -7,20 +7,22 @@ own recorded run: the calibration set (A) and the workload predicted from it (B)
   request of a new prompt shape is slow) and one short conversation with reuse (the first
   D->P read makes prefill's NIXL handshake with decode).
 - `WORKLOAD_A`: single requests, pull mode, reuse off, prompts 64-384 tokens, 16 output
-  tokens, a 0.25 s pause between requests. `WORKLOAD_B`: conversations of 4 turns through the
-  router's bidirectional mode (pull legs + reuse of decode's retained KV), prompts 100-280
-  tokens, 24 output tokens, a 0.1 s think time. Other lengths, another rate, reuse on.
+  tokens, one every 0.5 s. `WORKLOAD_B`: conversations of 4 turns through the router's
+  bidirectional mode (pull legs + reuse of decode's retained KV), prompts 100-280 tokens, 24
+  output tokens, a conversation every 2 s, 0.1 s think time. Other lengths, another rate,
+  reuse on.
   36 and 32 requests: on a shared host a TTFT percentile of fewer requests is mostly luck.
 - `keep_run` copies the events of one workload's requests (router and both connectors, by
   request id) into a run of its own, with the scenario it ran under in `meta.scenario`, so
   `kvplane calibrate live` and `kvplane twin` take it as any recorded run.
 
-Requests run one at a time (a conversation's turns in order): on 2 shared cores, overlapping
-requests would measure the machine's other tenants more than the servers.
+Starts are open loop (a fixed schedule), so a twin that replays the recorded arrivals sees
+the same arrival process; requests may overlap when the host is slow, in both.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib.util
 import json
 import random
@@ -59,13 +61,17 @@ class Workload:
     turns: int = 0
     new_tokens: int = 0  # tokens a later turn adds after the history
     max_tokens: int = 16
-    pause: float = 0.25  # seconds between a request's end and the next one
+    interval: float = 0.5  # seconds between starts of requests (single) or conversations
+    think: float = 0.0  # conversations: seconds between a turn's end and the next turn
 
 
+# open loop: requests (A) and conversations (B) start on a fixed schedule whatever the host
+# does, as a twin replays them (a closed-loop client would hide a slow request's effect on
+# the next one's start, which the twin cannot know)
 WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 6, max_tokens=16,
-                      pause=0.25)
+                      interval=0.5)
 WORKLOAD_B = Workload("B", "bidirectional", 8, (), first=100, turns=4, new_tokens=36,
-                      max_tokens=24, pause=0.1)
+                      max_tokens=24, interval=2.0, think=0.1)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -97,24 +103,34 @@ def stream(client: httpx.Client, url: str, toks: list[int], max_tokens: int,
 
 
 def run(url: str, w: Workload, tag: str) -> list[str]:
-    """Send workload `w` through the router at `url`; the router's request ids, in order."""
-    out: list[str] = []
-    with httpx.Client(timeout=300) as client:
-        if not w.conversations:
-            for i, n in enumerate(w.lengths):
-                out.append(stream(client, url, prompt(1000 * i + n, n), w.max_tokens, None)[0])
-                time.sleep(w.pause)
-            return out
-        for c in range(w.conversations):
-            history = prompt(50_000 + c, w.first)
+    """Send workload `w` through the router at `url`; the router's request ids, in order of
+    start. Starts follow `w.interval` (open loop); a conversation's turns follow each other."""
+    t0 = time.monotonic() + 0.2
+
+    def single(i: int, n: int) -> list[str]:
+        time.sleep(max(t0 + i * w.interval - time.monotonic(), 0.0))
+        with httpx.Client(timeout=300) as client:
+            return [stream(client, url, prompt(1000 * i + n, n), w.max_tokens, None)[0]]
+
+    def conversation(c: int) -> list[str]:
+        time.sleep(max(t0 + c * w.interval - time.monotonic(), 0.0))
+        out, history = [], prompt(50_000 + c, w.first)
+        with httpx.Client(timeout=300) as client:
             for turn in range(w.turns):
                 toks = history if turn == 0 else history + prompt(60_000 + 100 * c + turn,
                                                                   w.new_tokens)
                 rid, ids = stream(client, url, toks, w.max_tokens, f"{tag}-c{c}")
                 out.append(rid)
                 history = toks + ids
-                time.sleep(w.pause)
-    return out
+                time.sleep(w.think)
+        return out
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        if w.conversations:
+            futures = [pool.submit(conversation, c) for c in range(w.conversations)]
+        else:
+            futures = [pool.submit(single, i, n) for i, n in enumerate(w.lengths)]
+        return [rid for f in futures for rid in f.result()]
 
 
 def lengths_of(w: Workload) -> list[int]:

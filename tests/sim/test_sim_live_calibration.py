@@ -13,7 +13,7 @@ from kvplane.cli import app
 from kvplane.sim.calibration import apply_calibration, calibration_for
 from kvplane.sim.config import Scenario, load_scenario
 from kvplane.sim.live_calibration import fit_live, intervals, percentile
-from kvplane.sim.profiles import CalibrationProfile, HostDelay, load_profile
+from kvplane.sim.profiles import CalibrationProfile, HostSlowdown, load_profile
 from kvplane.sim.runner import simulate
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "live_run"
@@ -53,20 +53,30 @@ def test_pull_request_pays_two_request_legs_two_answers_and_one_transfer_setup()
     assert legs - plain == pytest.approx(2 * x + 2 * y + z, abs=1e-9)
 
 
-def test_host_delay_adds_one_draw_per_hop() -> None:
-    base = base_calibration()
-    c = 0.010
+def slowed_by(base: CalibrationProfile, **factor: float) -> CalibrationProfile:
+    return base.model_copy(update={"host_slowdown": {
+        k: HostSlowdown(quantiles=[f, f], source="synthetic: a constant factor for the test")
+        for k, f in factor.items()}})
+
+
+def test_host_slowdown_scales_each_hop_by_its_kind() -> None:
+    base = with_values(base_calibration(), request_leg=0.004, response_leg=0.003,
+                       transfer_setup=0.007)
     plain = one_request(base)
-    hosted = one_request(base.model_copy(update={"host_delay": HostDelay(
-        quantiles=[c, c], source="synthetic: a constant delay for the test")}))
-    # hops: leg to prefill, prefill's step, its answer, leg to decode, the transfer, and the
-    # step that tells decode's scheduler the KV arrived
-    assert hosted - plain == pytest.approx(6 * c, abs=1e-9)
+    # two request legs x2, prefill's answer x3 (the first token's return is its own kind)
+    legs = one_request(slowed_by(base, request_leg=2.0, response_leg=3.0))
+    assert legs - plain == pytest.approx(2 * 0.004 + 2 * 0.003, abs=1e-9)
+    # the transfer x5: its set-up and its bytes' time on the link
+    xfer = one_request(slowed_by(base, transfer=5.0)) - plain
+    assert 4 * 0.007 < xfer < 4 * 0.008
+    # every kind x1 changes nothing
+    assert one_request(slowed_by(base, request_leg=1.0, response_leg=1.0, transfer=1.0,
+                                 prefill_step=1.0, first_token=1.0)) == pytest.approx(plain)
 
 
-def test_host_delay_quantiles_must_ascend() -> None:
+def test_host_slowdown_quantiles_must_ascend() -> None:
     with pytest.raises(ValueError, match="ascending"):
-        HostDelay(quantiles=[0.2, 0.1], source="synthetic: bad")
+        HostSlowdown(quantiles=[2.0, 1.0], source="synthetic: bad")
 
 
 @pytest.fixture
@@ -109,7 +119,9 @@ def test_fit_live_measures_the_recorded_legs(live_db: str) -> None:
     assert cal.request_leg.fitted_to == ["live:live-sample:request_leg"]
     assert cal.response_leg.value > 0 and cal.transfer_setup.value > 0
     assert cal.step_overhead.fitted_to == ["live:live-sample:tpot"]
-    assert cal.host_delay is not None and min(cal.host_delay.quantiles) >= 0
+    assert set(cal.host_slowdown) == {"request_leg", "response_leg", "transfer",
+                                      "prefill_step", "first_token"}
+    assert all(min(h.quantiles) >= 0 for h in cal.host_slowdown.values())
     assert "network_utilization" in fit.kept
 
 
@@ -133,6 +145,6 @@ def test_cli_calibrate_live_writes_a_loadable_profile(live_db: str, tmp_path: Pa
     assert res.exit_code == 0, res.output
     assert "request_leg" in res.output and "kept from the prior" in res.output
     prof = load_profile(str(out), "calibration")
-    assert isinstance(prof, CalibrationProfile) and prof.host_delay is not None
+    assert isinstance(prof, CalibrationProfile) and prof.host_slowdown
     bad = CliRunner().invoke(app, ["calibrate", "live", "no-such-run", "--db", live_db])
     assert bad.exit_code == 2 and "no run" in bad.output
