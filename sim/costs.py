@@ -734,6 +734,11 @@ class SimCosts:
         """Fixed part of one connector KV transfer (calibration `transfer_setup`)."""
         return self.calibration.transfer_setup.value
 
+    def empty_step_time(self) -> float:
+        """An engine step that schedules nothing (it still polls the connector): its fixed
+        part only."""
+        return self.decode.step_overhead
+
     def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]:
         """The calibration's host slowdown per hop kind, as quantiles (none: a dedicated
         host)."""

@@ -82,6 +82,7 @@ class Costs(Protocol):
     def response_leg(self) -> float: ...
     def transfer_setup(self) -> float: ...
     def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]: ...
+    def empty_step_time(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -476,7 +477,10 @@ class PrefillInstance(Instance):
                 self._run(r, cached)
 
     def _read_then_run(self, r: SimRequest, cached: int) -> Iterator[Any]:
+        before = self.sim.env.now
         cached = yield from self.sim.router.reuse(self, r, cached)
+        if self.sim.env.now > before:  # a read: vLLM learns of it from a step's output
+            yield self.sim.env.timeout(self.sim.costs.empty_step_time())
         self.loading -= 1
         self._run(r, cached)
         self.poke()
@@ -702,11 +706,16 @@ class DecodeInstance(Instance):
             self.joining.append(r)
             self.poke()
 
-        # KV received -> first token at the client is one hop on a shared host: this step,
-        # the request's first step and the response leg, slowed together
         costs = self.sim.costs
+        if self.running:  # the step that reports it: one of the running batch
+            ctx = sum(q.prompt + q.done_tokens for q in self.running)
+            wait = costs.decode_step_time(len(self.running), ctx)
+        else:  # an empty step: no forward pass, only the step's fixed part
+            wait = costs.empty_step_time()
+        # KV received -> first token at the client is one hop on a shared host: this wait,
+        # the request's first step and the response leg, slowed together
         step, leg = costs.decode_step_time(1, r.prompt), costs.response_leg()
-        notice = self.sim.hop(2 * step + leg, "first_token") - step - leg
+        notice = self.sim.hop(wait + step + leg, "first_token") - step - leg
         self.sim.env.timeout(max(notice, 0.0)).callbacks.append(join)
 
     def fallback(self, r: SimRequest) -> None:

@@ -15,7 +15,7 @@ shared host only ever slows a hop:
 | `transfer_setup` | decode's P->D `TransferPlanned` -> `TransferCompleted`, less the bytes' time on the link |
 | `step_overhead` | a decode step: the router's TPOT less a batch-1 step's priced arithmetic |
 | `compute_utilization` | prefill's one-step durations (lower quintile per prompt length) against their FLOPs, through the step overhead (least squares) |
-| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, and the first token's: KV received -> the router's first token, i.e. one step to notice the KV, one to compute, the response leg), recorded duration over priced cost: how much the host slowed that kind of hop, as quantiles |
+| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, and the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg), recorded duration over priced cost: how much the host slowed that kind of hop, as quantiles |
 
 Only pull-mode requests without a reuse read are used (the shape of every leg is then known).
 What a run cannot show stays as it was in the prior calibration (memory and network
@@ -202,7 +202,7 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                      for d, b in zip(iv["p2d_transfer"], iv["p2d_bytes"], strict=True)],
         "prefill_step": [(d, priced.prefill_time(int(n)))
                          for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True)],
-        "first_token": [(d, 2 * priced.decode_step_time(1, int(c)) + resp)
+        "first_token": [(d, overhead + priced.decode_step_time(1, int(c)) + resp)
                         for d, c in zip(iv["kv_to_first_token"], iv["kv_context"], strict=True)],
     }
     slowdown: dict[str, HostSlowdown] = {}
