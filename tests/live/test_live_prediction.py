@@ -16,7 +16,8 @@ In one session on this machine (so the host's speed at the time is the same for 
    issue's target is p50 within 10 %, p90 within 20 %; a miss is reported as an expected
    failure with its figures (XFAIL), since on this shared host the model does not meet it
    reliably. What is asserted: B is recorded whole and its later turns read decode's KV, live
-   and in the twins, and A's own twin reproduces A (p50 within 25 %, p90 within 35 %).
+   and in the twins, and A's own twin reproduces A (its p50 and p90 inside the 90 % intervals of A's recorded
+   percentiles).
 
 A's own twin is printed too (not asserted): how well the model reproduces its calibration
 set. docs/validation.md has a recorded result and what limits it on a shared host. The
@@ -56,7 +57,7 @@ SEEDS = 20
 
 def test_calibrated_on_one_live_run_predicts_another() -> None:
     from kvplane.sim.calibration import apply_calibration, calibration_for
-    from kvplane.sim.live_calibration import describe, fit_live, predict
+    from kvplane.sim.live_calibration import describe, fit_live, percentile, predict
     from kvplane.store import open_store
 
     scenario = lw.live_scenario()
@@ -95,10 +96,11 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
     assert res.reads_live >= later_turns // 2, report
     assert res.reads_twin >= later_turns // 2, report
     # the model reproduces the run it was calibrated on (its mechanisms and the host's
-    # slowdown per hop kind together): the recorded percentiles' own sampling intervals are
-    # about this wide with 36 requests
-    assert abs(own.error(0.5)) <= 0.25, report
-    assert abs(own.error(0.9)) <= 0.35, report
+    # slowdown per hop kind together): A's own twin's percentiles lie inside the 90 %
+    # intervals of A's recorded percentiles (what 36 requests can tell apart)
+    for p in (0.5, 0.9):
+        lo, hi = own.live_interval(p)
+        assert lo <= percentile(own.predicted, p) <= hi, report
     # the issue's target for the prediction of B: p50 within 10 %, p90 within 20 %. Not met
     # reliably on the shared 2-core host (docs/validation.md: a reuse read's pin waits on a
     # busy decode process, which run A cannot show); reported, with the figures, as an
