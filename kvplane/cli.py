@@ -369,6 +369,9 @@ def calibrate_fit(
         "bundled one for the seed scenarios.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Name of the new profile.")] = None,  # noqa: UP045
     out: Annotated[Optional[Path], typer.Option(help="Write the calibration YAML here.")] = None,  # noqa: UP045
+    hold: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        help="NAME=VALUE: keep a constant at a value instead of fitting it (e.g. "
+        "prefill_request_overhead=0 to remove that delay); repeatable.")] = None,
 ) -> None:
     """Fit the free constants of a (model kind, hardware) pair to named figures and record
     which figures each constant used; `kvplane validate --calibration FILE` then counts every
@@ -390,11 +393,22 @@ def calibrate_fit(
             base = load_profile(prior, "calibration")
         except ScenarioError as exc:
             _fail(str(exc))
-    result = fit(ids, base, name)  # type: ignore[arg-type]
+    held: dict[str, float] = {}
+    for h in hold or []:
+        key, _, val = h.partition("=")
+        try:
+            held[key.strip()] = float(val)
+        except ValueError:
+            _fail(f"--hold {h!r}: expected NAME=VALUE with a number")
+    try:
+        result = fit(ids, base, name, hold=held)  # type: ignore[arg-type]
+    except ValueError as exc:
+        _fail(str(exc))
     for n, figs in result.fitted.items():
         typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  (from {', '.join(figs)})")
     for n in result.kept:
-        typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  (not determined: kept)")
+        why = "held" if n in held else "not determined: kept"
+        typer.echo(f"{n} = {getattr(result.calibration, n).value:.6g}  ({why})")
     for fid, r in result.residuals.items():
         typer.echo(f"  residual {fid}: {r * 100:+.2f} %")
     text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),
@@ -404,6 +418,61 @@ def calibrate_fit(
         typer.echo(f"written to {out}")
     else:
         typer.echo(text)
+
+
+@calibrate_app.command("live")
+def calibrate_live(
+    run: Annotated[str, typer.Argument(help="Recorded live run to fit to (pull-mode requests "
+                                       "through kvplane router).")],
+    db: DbOpt = None,
+    scenario: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        help="Scenario the run ran under (model, hardware, engine); default: the run's own "
+        "(meta.scenario).")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Name of the new profile.")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(help="Write the calibration YAML here.")] = None,  # noqa: UP045
+    predict: Annotated[Optional[str], typer.Option(  # noqa: UP045
+        help="Another recorded run to predict with the fit: its twins' TTFT percentiles "
+        "against its recorded ones.")] = None,
+    seeds: Annotated[int, typer.Option(help="Twins (seeds) pooled for --predict.")] = 20,
+) -> None:
+    """Fit a (model kind, hardware) calibration from a recorded live run: the router's request
+    and response legs, the connector's per-transfer set-up, the engine's step overhead and
+    compute efficiency, and the host's per-hop delay, each measured from the run's events, and
+    record which run and intervals each value came from."""
+    import yaml
+
+    from kvplane.sim.calibration import apply_calibration, calibration_for
+    from kvplane.sim.config import ScenarioError, load_scenario
+    from kvplane.sim.live_calibration import describe, fit_live
+    from kvplane.sim.live_calibration import predict as predict_run
+    from kvplane.sim.replay_sim import scenario_for_run
+    from kvplane.store import RunNotFound, open_store
+
+    with open_store(db) as store:
+        try:
+            info = store.run(run)
+            sc = load_scenario(scenario) if scenario else scenario_for_run(store, info)
+            if scenario:
+                sc = sc.points()[0].scenario
+            result = fit_live(store, info.id, sc.model, sc.hardware, calibration_for(sc), name,
+                              sc.engine.block_size)
+        except (RunNotFound, ScenarioError, ValueError) as exc:
+            _fail(str(exc))
+        for line in describe(result):
+            typer.echo(line)
+        if predict is not None:
+            try:
+                pred = predict_run(store, store.run(predict).id,
+                                   apply_calibration(sc, result.calibration), seeds)
+            except (RunNotFound, ScenarioError, ValueError) as exc:
+                _fail(str(exc))
+            for line in pred.lines():
+                typer.echo(line)
+    text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),
+                          sort_keys=False, width=100)
+    if out is not None:
+        out.write_text(text)
+        typer.echo(f"written to {out}")
 
 
 @app.command()

@@ -211,13 +211,25 @@ class FitResult:
 
 
 def fit(use: Sequence[str], prior: CalibrationProfile | None = None, name: str | None = None,
-        setting: _Setting | None = None) -> FitResult:
-    """Least-squares fit of the free constants to the figures `use` (relative errors)."""
+        setting: _Setting | None = None, hold: dict[str, float] | None = None) -> FitResult:
+    """Least-squares fit of the free constants to the figures `use` (relative errors).
+
+    `hold` fixes constants at given values (not fitted: e.g. a mechanism removed, at 0)."""
     s = setting or _default_setting()
     if prior is None:
         from .config import load_scenario
 
         prior = calibration_for(load_scenario("seed_bidirectional"))
+    hold = hold or {}
+    bad = [h for h in hold if h not in FREE]
+    if bad:
+        raise ValueError(f"cannot hold {bad}; the free constants are {list(FREE)}")
+    if hold:
+        prior = prior.model_copy(update={
+            h: getattr(prior, h).model_copy(update={
+                "value": float(v), "fitted_to": [],
+                "source": f"derived: held at {v:g} by kvplane calibrate fit --hold"})
+            for h, v in hold.items()})
     pricers = _pricers(s)
     unknown = [u for u in use if u not in pricers]
     if unknown:
@@ -248,7 +260,7 @@ def fit(use: Sequence[str], prior: CalibrationProfile | None = None, name: str |
             cols.append((residuals(xp) - r0) / h)
         return np.array(cols).T
 
-    determined = np.abs(jac(x)).sum(axis=0) > 1e-9
+    determined = (np.abs(jac(x)).sum(axis=0) > 1e-9) & np.array([n not in hold for n in FREE])
     lam = 1e-3
     for _ in range(60):  # Levenberg-Marquardt on the determined constants
         r, j = residuals(x), jac(x)[:, determined]

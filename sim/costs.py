@@ -608,6 +608,12 @@ class SimCosts:
     - `request_overhead()` is a per-request delay on the prefill path that does *not* hold the
       engine (calibrated, docs/calibration.md section 3); `reuse_read_setup()` is the fixed
       coordination of a D->P reuse read (section 4). The engine adds both where they occur.
+    - The serving stack around the engines (calibration, measured from a live run):
+      `request_leg()` per request leg (router to prefill, router to decode), `response_leg()`
+      per answer through the router (prefill's in pull mode, the first token to the client),
+      `transfer_setup()` per connector transfer (P->D, and a reuse read's D->P).
+      `host_slowdown_quantiles()` is the calibration's per-hop slowdown on a shared host; the
+      engine draws from it (seeded), since costs here stay free of randomness.
     """
 
     def __init__(
@@ -727,6 +733,28 @@ class SimCosts:
 
     def reuse_read_setup(self) -> float:
         return self.transfer.reuse_read_setup
+
+    def request_leg(self) -> float:
+        """Router to an engine's scheduler, per leg (calibration `request_leg`)."""
+        return self.calibration.request_leg.value
+
+    def response_leg(self) -> float:
+        """An engine's output back through the router (calibration `response_leg`)."""
+        return self.calibration.response_leg.value
+
+    def transfer_setup(self) -> float:
+        """Fixed part of one connector KV transfer (calibration `transfer_setup`)."""
+        return self.calibration.transfer_setup.value
+
+    def empty_step_time(self) -> float:
+        """An engine step that schedules nothing (it still polls the connector): its fixed
+        part only."""
+        return self.decode.step_overhead
+
+    def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]:
+        """The calibration's host slowdown per hop kind, as quantiles (none: a dedicated
+        host)."""
+        return {k: tuple(v.quantiles) for k, v in self.calibration.host_slowdown.items()}
 
     def layout(self, side: Literal["prefill", "decode"]) -> KVLayout:
         """The core's KVLayout of one side."""

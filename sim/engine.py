@@ -84,6 +84,11 @@ class Costs(Protocol):
     def message_latency(self) -> float: ...
     def request_overhead(self) -> float: ...
     def reuse_read_setup(self) -> float: ...
+    def request_leg(self) -> float: ...
+    def response_leg(self) -> float: ...
+    def transfer_setup(self) -> float: ...
+    def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]: ...
+    def empty_step_time(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -422,15 +427,18 @@ class PrefillInstance(Instance):
         return len(self.running) + self.loading
 
     def submit(self, r: SimRequest) -> None:
-        """The prefill leg arrives; the per-request overhead (calibrated, holds no engine)
-        passes before it can be scheduled."""
+        """The prefill leg leaves the router; its trip into the scheduler (`request_leg`) and
+        the per-request overhead (calibrated, holds no engine) pass before it can be
+        scheduled."""
         r.prefill_received = self.sim.env.now
 
         def enqueue(_: Any) -> None:
             self.queue.append(r)
             self.poke()
 
-        self.sim.env.timeout(self.sim.costs.request_overhead()).callbacks.append(enqueue)
+        costs = self.sim.costs
+        delay = costs.request_overhead() + self.sim.hop(costs.request_leg(), "request_leg")
+        self.sim.env.timeout(delay).callbacks.append(enqueue)
 
     def local_hits(self, r: SimRequest) -> list[int]:
         """Cached blocks of the prompt's longest cached prefix (whole blocks, never the last
@@ -477,7 +485,10 @@ class PrefillInstance(Instance):
                 self._run(r, cached)
 
     def _read_then_run(self, r: SimRequest, cached: int) -> Iterator[Any]:
+        before = self.sim.env.now
         cached = yield from self.sim.router.reuse(self, r, cached)
+        if self.sim.env.now > before:  # a read: vLLM learns of it from a step's output
+            yield self.sim.env.timeout(self.sim.costs.empty_step_time())
         self.loading -= 1
         self._run(r, cached)
         self.poke()
@@ -515,7 +526,16 @@ class PrefillInstance(Instance):
                 if c + n >= r.prompt:
                     self.running.remove(r)
                     del self.progress[r.id]
-                    self.finish(r)
+                    self.finish_after(r, self.sim.hop(t, "prefill_step") - t)
+
+    def finish_after(self, r: SimRequest, delay: float) -> None:
+        """Finish now, or `delay` later: on a shared host a request's last step can end late
+        for it (its process waited for a core) while the engine's other requests go on, as
+        the recorded hops show (they are independent of each other)."""
+        if delay <= 0:
+            self.finish(r)
+        else:
+            self.sim.env.timeout(delay).callbacks.append(lambda _: self.finish(r))
 
     def finish(self, r: SimRequest) -> None:
         cfg = self.sim.cfg
@@ -552,7 +572,8 @@ class PrefillInstance(Instance):
             yield slot
             r.transfer_start = env.now
             prep = costs.descriptor_prep_time(plan.descriptors, inline=False)
-            yield env.timeout(prep + self.connect(plan.dst))
+            yield env.timeout(prep + self.connect(plan.dst)
+                              + self.sim.hop(costs.transfer_setup(), "transfer"))
             with self.nic.request() as link:
                 yield link
                 yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
@@ -593,8 +614,17 @@ class DecodeInstance(Instance):
             self.admit_wake.succeed()
 
     def submit(self, r: SimRequest) -> None:
-        self.waiting.append(r)
-        self.on_freed()
+        """The decode leg leaves the router; it waits for blocks after its trip into the
+        scheduler (`request_leg`)."""
+        def arrive(_: Any = None) -> None:
+            self.waiting.append(r)
+            self.on_freed()
+
+        leg = self.sim.hop(self.sim.costs.request_leg(), "request_leg")
+        if leg > 0:
+            self.sim.env.timeout(leg).callbacks.append(arrive)
+        else:
+            arrive()
 
     def admit_loop(self) -> Iterator[Any]:
         """A request gets its prompt's blocks once a sequence slot exists and the pool can hold
@@ -678,10 +708,27 @@ class DecodeInstance(Instance):
                     self.kv_ready(r)
 
     def kv_ready(self, r: SimRequest) -> None:
+        """The KV is in decode's blocks. vLLM learns it from the worker's finished receives
+        in the next step's output and schedules the request in the step after: one step
+        passes (an empty one when nothing runs) before the request joins the batch."""
         r.kv_ready = self.sim.env.now
         self.loading.discard(r.id)
-        self.joining.append(r)
-        self.poke()
+
+        def join(_: Any = None) -> None:
+            self.joining.append(r)
+            self.poke()
+
+        costs = self.sim.costs
+        if self.running:  # the step that reports it: one of the running batch
+            ctx = sum(q.prompt + q.done_tokens for q in self.running)
+            wait = costs.decode_step_time(len(self.running), ctx)
+        else:  # an empty step: no forward pass, only the step's fixed part
+            wait = costs.empty_step_time()
+        # KV received -> first token at the client is one hop on a shared host: this wait,
+        # the request's first step and the response leg, slowed together
+        step, leg = costs.decode_step_time(1, r.prompt), costs.response_leg()
+        notice = self.sim.hop(wait + step + leg, "first_token") - step - leg
+        self.sim.env.timeout(max(notice, 0.0)).callbacks.append(join)
 
     def fallback(self, r: SimRequest) -> None:
         """The KV will not come: decode computes the prompt itself (a stall of its loop); the
@@ -701,10 +748,15 @@ class DecodeInstance(Instance):
         env, costs = self.sim.env, self.sim.costs
         pf = self.sim.prefills[r.prefill]
         r.transfer_start = env.now
+        wire = costs.transfer_time(plan.bytes, plan.descriptors, plan.expected_notifications)
+        setup = costs.transfer_setup()
+        if setup > 0:  # the connector's own work (pin, prepare, post, poll): not the link's
+            whole = self.sim.hop(setup + wire, "transfer")
+            yield env.timeout(max(whole - wire, 0.0))
+            wire = min(wire, whole)
         with pf.nic.request() as link:
             yield link
-            yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
-                                                  plan.expected_notifications))
+            yield env.timeout(wire)
         r.transfer_end = env.now
         hold_alive = P.hold_lease_id(r.id, 0) in pf.core.leases.leases
         done = self.do(D.PullDone(r.id, 0, ok=hold_alive,
@@ -818,11 +870,12 @@ class DecodeInstance(Instance):
         first_end = start + stall + durations[0]
         rest = sum(durations[1:steps])
         still: list[SimRequest] = []
+        leg = self.sim.costs.response_leg()  # tokens reach the client through the router
         for r in self.running:
             if r.done_tokens == 0:
-                r.first_token = first_end
-                self.sim.rec(FirstTokenEmitted(at=first_end, instance=self.name, request=r.id,
-                                               ttft=first_end - r.arrival))
+                r.first_token = first_end + leg
+                self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
+                                               request=r.id, ttft=r.first_token - r.arrival))
             else:
                 r.itl.append((stall + durations[0], 1))
             if steps > 1:
@@ -830,7 +883,7 @@ class DecodeInstance(Instance):
             r.stall_s += stall
             r.done_tokens += steps
             if r.done_tokens >= r.output:
-                r.finish = env.now
+                r.finish = env.now + leg
                 self.finish(r)
             else:
                 still.append(r)
@@ -856,7 +909,11 @@ class DecodeInstance(Instance):
                 self.sim.router.store(r, e)
                 stored = True
         self.sim.router.turn_ended(r, stored)
-        self.sim.finished(r)
+        leg = self.sim.costs.response_leg()  # the client sees the end that much later
+        if leg > 0:
+            self.sim.env.timeout(leg).callbacks.append(lambda _: self.sim.finished(r))
+        else:
+            self.sim.finished(r)
         self.on_freed()
 
     def do(self, cmd: Any) -> list[Event]:
@@ -908,7 +965,9 @@ class Router:
 
     def _relay(self, pf: PrefillInstance, r: SimRequest) -> Iterator[Any]:
         sim = self.sim
-        yield sim.env.timeout(sim.costs.message_latency())
+        # prefill's answer comes back through the router (`response_leg`)
+        yield sim.env.timeout(sim.costs.message_latency()
+                              + sim.hop(sim.costs.response_leg(), "response_leg"))
         r.decode = self.pick_decode(r)  # pull: decode chosen after prefill, freshest load
         hold_id = P.hold_lease_id(r.id, 0)
         hold = pf.core.leases.leases.get(hold_id)
@@ -1006,7 +1065,9 @@ class Router:
             runs = max(1, round(len(src) / cfg.reuse_read_run_blocks))
             descriptors = runs * d.layout.num_layers * 2 * plan.expected_notifications
         prep = sim.costs.descriptor_prep_time(descriptors, inline=False)
-        yield env.timeout(pf.connect(d.name) + sim.costs.reuse_read_setup() + prep)
+        yield env.timeout(pf.connect(d.name) + prep
+                          + sim.hop(sim.costs.reuse_read_setup() + sim.costs.transfer_setup(),
+                                    "transfer"))
         with d.nic.request() as link:
             yield link
             yield env.timeout(sim.costs.transfer_time(plan.bytes, descriptors,
@@ -1039,7 +1100,8 @@ class Router:
         nbytes = tokens * lay.num_layers * 2 * lay.num_kv_heads * lay.head_bytes
         desc = -(-tokens // lay.block_size) * lay.num_layers * 2 * max(pf.layout.tp, lay.tp)
         c = self.sim.costs
-        return (c.reuse_read_setup() + c.descriptor_prep_time(desc, inline=False)
+        return (c.reuse_read_setup() + c.transfer_setup()
+                + c.descriptor_prep_time(desc, inline=False)
                 + c.transfer_time(nbytes, desc, max(pf.layout.tp, lay.tp)))
 
 
@@ -1048,6 +1110,8 @@ class Simulation:
         self.cfg, self.costs = cfg, costs
         self.env = simpy.Environment()
         self.rec: Record = record or (lambda e: None)
+        self._host_quantiles = costs.host_slowdown_quantiles()
+        self._host_rng = np.random.default_rng(self.seed_for("host"))
         self.requests: dict[str, SimRequest] = {}
         self.done: list[SimRequest] = []
         self.finished_count = 0
@@ -1059,6 +1123,17 @@ class Simulation:
         self.decodes = {f"decode-{i}": DecodeInstance(self, f"decode-{i}")
                         for i in range(cfg.num_decode)}
         self.router = Router(self)
+
+    def hop(self, cost: float, kind: str) -> float:
+        """How long a hop of priced `cost` takes on the host: the cost itself on a dedicated
+        host; on a shared one, slowed by one draw of the calibration's slowdown of hops of
+        that kind (request_leg, response_leg, prefill_step, transfer, first_token)."""
+        q = self._host_quantiles.get(kind, ())
+        if not q or cost <= 0:
+            return cost
+        x = self._host_rng.random() * (len(q) - 1)  # inverse CDF, linear between quantiles
+        i = min(int(x), len(q) - 2)
+        return cost * (q[i] + (q[i + 1] - q[i]) * (x - i))
 
     def seed_for(self, name: str) -> int:
         return (self.cfg.seed * 1_000_003 + sum(map(ord, name))) % (2**32)

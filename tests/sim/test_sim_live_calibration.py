@@ -1,0 +1,150 @@
+"""The serving stack's costs: where the simulator pays them, and how `kvplane calibrate live`
+measures them from a recorded live run (the bundled tests/data/live_run)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvplane.cli import app
+from kvplane.sim.calibration import apply_calibration, calibration_for
+from kvplane.sim.config import Scenario, load_scenario
+from kvplane.sim.live_calibration import fit_live, intervals, percentile
+from kvplane.sim.profiles import CalibrationProfile, HostSlowdown, load_profile
+from kvplane.sim.runner import simulate
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "live_run"
+
+
+def one_request(calibration: CalibrationProfile, bidirectional: bool = False) -> float:
+    """TTFT of a single 300-token pull request (no reuse) on the live CPU scenario."""
+    sc = load_scenario("live_sample_cpu")
+    sc = sc.model_copy(update={
+        "requests": 1,
+        "connector": sc.connector.model_copy(update={"bidirectional": bidirectional}),
+        "workload": sc.workload.model_copy(update={
+            "turns": sc.workload.turns.model_copy(update={"mean": 1.0}),
+            "first_prompt": sc.workload.first_prompt.model_copy(update={"mean": 300.0})}),
+    })
+    _, summary = simulate(apply_calibration(sc, calibration).points()[0], drain=False)
+    assert summary["finished"] == 1
+    return float(summary["ttft_ms"]["mean"]) / 1e3
+
+
+def with_values(cal: CalibrationProfile, **values: float) -> CalibrationProfile:
+    return cal.model_copy(update={k: getattr(cal, k).model_copy(update={"value": v})
+                                  for k, v in values.items()})
+
+
+def base_calibration() -> CalibrationProfile:
+    return calibration_for(load_scenario("live_sample_cpu"))
+
+
+def test_pull_request_pays_two_request_legs_two_answers_and_one_transfer_setup() -> None:
+    base = base_calibration()
+    x, y, z = 0.004, 0.003, 0.007
+    plain = one_request(base)
+    legs = one_request(with_values(base, request_leg=x, response_leg=y, transfer_setup=z))
+    # router -> prefill and router -> decode; prefill's answer and the first token through
+    # the router; one P->D transfer
+    assert legs - plain == pytest.approx(2 * x + 2 * y + z, abs=1e-9)
+
+
+def slowed_by(base: CalibrationProfile, **factor: float) -> CalibrationProfile:
+    return base.model_copy(update={"host_slowdown": {
+        k: HostSlowdown(quantiles=[f, f], source="synthetic: a constant factor for the test")
+        for k, f in factor.items()}})
+
+
+def test_host_slowdown_scales_each_hop_by_its_kind() -> None:
+    base = with_values(base_calibration(), request_leg=0.004, response_leg=0.003,
+                       transfer_setup=0.007)
+    plain = one_request(base)
+    # two request legs x2, prefill's answer x3 (the first token's return is its own kind)
+    legs = one_request(slowed_by(base, request_leg=2.0, response_leg=3.0))
+    assert legs - plain == pytest.approx(2 * 0.004 + 2 * 0.003, abs=1e-9)
+    # the transfer x5: its set-up and its bytes' time on the link
+    xfer = one_request(slowed_by(base, transfer=5.0)) - plain
+    assert 4 * 0.007 < xfer < 4 * 0.008
+    # every kind x1 changes nothing
+    assert one_request(slowed_by(base, request_leg=1.0, response_leg=1.0, transfer=1.0,
+                                 prefill_step=1.0, first_token=1.0)) == pytest.approx(plain)
+
+
+def test_host_slowdown_quantiles_must_ascend() -> None:
+    with pytest.raises(ValueError, match="ascending"):
+        HostSlowdown(quantiles=[2.0, 1.0], source="synthetic: bad")
+
+
+@pytest.fixture
+def live_db(tmp_path: Path) -> str:
+    shutil.copy(DATA / "live.db", tmp_path / "live.db")
+    return f"sqlite:///{tmp_path / 'live.db'}"
+
+
+def recorded_legs(url: str) -> list[float]:
+    """The bundled run's pull-mode legs, computed here from the raw events."""
+    from kvplane.store import open_store
+
+    with open_store(url) as store:
+        evs = sorted(store.events("live-sample"), key=lambda e: e.at)
+    pull = {e.request for e in evs if type(e).__name__ == "RequestRouted"
+            and e.mode == "pull"}  # type: ignore[attr-defined]
+    reads = {e.request for e in evs if type(e).__name__ == "TransferPlanned"
+             and e.direction == "D->P"}  # type: ignore[attr-defined]
+    legs = []
+    for rid in pull - reads:
+        mine = [e for e in evs if e.request == rid]
+        arrived = {e.instance: e.at for e in reversed(mine) if type(e).__name__ == "RequestArrived"}
+        relayed = next(e.at for e in mine if type(e).__name__ == "MetadataRelayed")
+        legs += [arrived["prefill"] - arrived["router"], arrived["decode"] - relayed]
+    return legs
+
+
+def test_fit_live_measures_the_recorded_legs(live_db: str) -> None:
+    from kvplane.store import open_store
+
+    sc: Scenario = load_scenario("live_sample_cpu")
+    with open_store(live_db) as store:
+        fit = fit_live(store, "live-sample", sc.model, sc.hardware, base_calibration(),
+                       block_size=sc.engine.block_size)
+        iv = intervals(store, "live-sample")
+    legs = recorded_legs(live_db)
+    assert legs and sorted(iv["request_leg"]) == pytest.approx(sorted(legs))
+    cal = fit.calibration
+    assert cal.request_leg.value == pytest.approx(percentile(legs, 0.2))
+    assert cal.request_leg.fitted_to == ["live:live-sample:request_leg"]
+    assert cal.response_leg.value > 0 and cal.transfer_setup.value > 0
+    assert cal.step_overhead.fitted_to == ["live:live-sample:tpot"]
+    assert set(cal.host_slowdown) == {"request_leg", "response_leg", "transfer",
+                                      "prefill_step", "first_token"}
+    assert all(min(h.quantiles) >= 0 for h in cal.host_slowdown.values())
+    assert "network_utilization" in fit.kept
+
+
+def test_fit_live_says_what_a_run_lacks(live_db: str) -> None:
+    from kvplane.store import open_store
+
+    sc = load_scenario("live_sample_cpu")
+    with open_store(live_db) as store:  # only the push conversation: no pull-mode leg
+        push = {e.request for e in store.events("live-sample", ["RequestRouted"])
+                if e.mode == "push"}  # type: ignore[attr-defined]
+        run = store.create_run("live", "push only")
+        store.append(run, [e for e in store.events("live-sample") if e.request in push])
+        with pytest.raises(ValueError, match="no request_leg"):
+            fit_live(store, run, sc.model, sc.hardware, base_calibration())
+
+
+def test_cli_calibrate_live_writes_a_loadable_profile(live_db: str, tmp_path: Path) -> None:
+    out = tmp_path / "cal.yaml"
+    res = CliRunner().invoke(app, ["calibrate", "live", "live-sample", "--db", live_db,
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "request_leg" in res.output and "kept from the prior" in res.output
+    prof = load_profile(str(out), "calibration")
+    assert isinstance(prof, CalibrationProfile) and prof.host_slowdown
+    bad = CliRunner().invoke(app, ["calibrate", "live", "no-such-run", "--db", live_db])
+    assert bad.exit_code == 2 and "no run" in bad.output
