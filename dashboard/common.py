@@ -22,7 +22,7 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import Engine
 
-from kvplane.store import open_store, resolve_url
+from kvplane.store import EventStore, open_store, resolve_url
 
 from . import queries as q
 
@@ -39,10 +39,15 @@ def db_url() -> str:
 
 
 @st.cache_resource(show_spinner=False)
-def engine(url: str) -> Engine:
+def store(url: str) -> EventStore:
     # The dashboard only reads (read-only: a damaged, foreign or newer store is refused with
-    # a clear error); a missing store is first created empty, as its What-if page fills it.
-    return open_store(url, read_only=True, create_missing=True).engine
+    # a clear error; an older one is read as it is); a missing store is first created empty,
+    # as its What-if page fills it.
+    return open_store(url, read_only=True, create_missing=True)
+
+
+def engine(url: str) -> Engine:
+    return store(url).engine
 
 
 def _e(url: str) -> Engine:
@@ -207,11 +212,10 @@ def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
     """The scenario (model_dump) a run was made under, or None when it cannot be told."""
     from kvplane.sim.config import ScenarioError, load_scenario
     from kvplane.sim.replay_sim import scenario_for_run
-    from kvplane.store import EventStore
 
-    store = EventStore(_e(url))
+    reader = store(url)
     try:
-        info = store.run(run_id)
+        info = reader.run(run_id)
     except Exception:  # noqa: BLE001 - deleted meanwhile
         return None
     compare = info.meta.get("compare_with") if isinstance(info.meta, dict) else None
@@ -221,7 +225,7 @@ def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
         except ScenarioError:
             return None
     try:
-        return scenario_for_run(store, info).model_dump(mode="json")
+        return scenario_for_run(reader, info).model_dump(mode="json")
     except (ScenarioError, ValueError):
         return None
 

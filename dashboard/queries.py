@@ -22,7 +22,8 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Engine, Integer, and_, case, cast, func, select
 
-from kvplane.store import events_table, runs_table
+from kvplane.results import request_stmt
+from kvplane.store import events_table, has_block_counts, runs_table
 
 E = events_table
 R = runs_table
@@ -152,33 +153,14 @@ def children(engine: Engine, run_id: str) -> pd.DataFrame:
 
 
 def request_index(engine: Engine, run_id: str) -> pd.DataFrame:
-    """One light row per request of a run, to filter and sort on: request, arrived,
-    prefill_started, prompt_tokens, output_tokens, mode, prefill, decode, ttft, tpot, e2e, ok.
-
-    Reads four event types (a few rows per request, index (run, type)), never the whole run.
-    """
-    p = E.c.payload
-    df = _fetch(engine, select(
-        E.c.request,
-        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
-        func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
-        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
-        func.max(_when("RequestArrived", p["output_tokens"].as_integer())).label("output_tokens"),
-        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
-        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
-        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
-        func.min(_when("RequestFinished", E.c.time)).label("finished"),
-        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
-        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
-        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
-        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
-                 ).label("ok"),
-    ).where(E.c.run == run_id, E.c.request.is_not(None),
-            E.c.type.in_(["RequestArrived", "PrefillStarted", "RequestRouted",
-                          "RequestFinished"]))
-        .group_by(E.c.request))
+    """One light row per request of a run, to filter and sort on: request, arrived, routed,
+    prefill_started, prompt_tokens, output_tokens, conversation, turn, mode, bidirectional,
+    prefill, decode, finished, ttft, tpot, e2e, ok (`kvplane.results.request_stmt`, the
+    per-request query the CLI shares). A few event types, never the whole run."""
+    df = _fetch(engine, request_stmt([run_id]))
     if df.empty:
         return df
+    df = df.drop(columns=["run"])
     df["ok"] = df["ok"].fillna(0).astype(int).astype(bool) & df["finished"].notna()
     df["prompt_tokens"] = df["prompt_tokens"].fillna(0).astype(int)
     return df
@@ -277,28 +259,11 @@ def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.D
 
 def finished_requests(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     """Per finished request of the runs: run, request, arrived, prompt_tokens, output_tokens,
-    ttft, tpot, e2e (s), ok, bidirectional, mode. Two event types, grouped by (run, request)."""
+    ttft, tpot, e2e (s), ok, bidirectional, mode, ... (`request_stmt`'s columns)."""
     if not run_ids:
         return pd.DataFrame(columns=["run", "request", "arrived", "prompt_tokens",
                                      "output_tokens", "ttft", "tpot", "e2e", "ok"])
-    p = E.c.payload
-    stmt = select(
-        E.c.run, E.c.request,
-        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
-        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
-        func.max(_when("RequestFinished", p["output_tokens"].as_integer())).label("output_tokens"),
-        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
-        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
-        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
-        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
-                 ).label("ok"),
-        func.max(_when("RequestRouted", case((p["bidirectional"].as_boolean().is_(True), 1),
-                                             else_=0))).label("bidirectional"),
-        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
-    ).where(E.c.run.in_(list(run_ids)),
-            E.c.type.in_(["RequestArrived", "RequestFinished", "RequestRouted"])
-            ).group_by(E.c.run, E.c.request)
-    df = _fetch(engine, stmt)
+    df = _fetch(engine, request_stmt(run_ids))
     if df.empty:
         return df
     df = df[df["e2e"].notna()].copy()
@@ -381,8 +346,7 @@ def lease_events(engine: Engine, run_id: str) -> pd.DataFrame:
     df = _fetch(engine, select(
         E.c.seq, E.c.time, E.c.type, E.c.instance, E.c.request,
         p["lease"].as_string().label("lease"),
-        case((E.c.type == "LeaseGranted", func.json_array_length(p["blocks"])),
-             else_=None).label("blocks"),
+        case((E.c.type == "LeaseGranted", _block_count(engine)), else_=None).label("blocks"),
         case((E.c.type == "LeaseGranted", p["purpose"].as_string()), else_=None).label("purpose"),
         case((E.c.type.in_(["LeaseGranted", "LeaseRenewed"]), p["expires_at"].as_float()),
              else_=None).label("expires_at"),
@@ -446,24 +410,10 @@ def run_span(engine: Engine, run_id: str, edge: int = 2000) -> tuple[float, floa
 def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
     """Per request, where and when it waited and ran: prefill, decode (instances it was routed
     to), arrived (= routed: the router routes as a request arrives), routed, prefill_started,
-    prefill_finished, kv_received, finished (s), ttft, tpot. Five event types, one row per
-    request (the fewest rows that tell it)."""
-    p = E.c.payload
-    df = _fetch(engine, select(
-        E.c.request,
-        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
-        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
-        func.min(_when("RequestRouted", E.c.time)).label("routed"),
-        func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
-        func.min(_when("PrefillFinished", E.c.time)).label("prefill_finished"),
-        func.min(_when("KVReceived", E.c.time)).label("kv_received"),
-        func.min(_when("RequestFinished", E.c.time)).label("finished"),
-        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
-        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
-    ).where(E.c.run == run_id, E.c.request.is_not(None),
-            E.c.type.in_(["RequestRouted", "PrefillStarted", "PrefillFinished", "KVReceived",
-                          "RequestFinished"]))
-        .group_by(E.c.request))
+    prefill_finished, kv_received, first_token, finished (s), ttft, tpot: `request_stmt` with
+    two more milestones, one row per request (the fewest rows that tell it)."""
+    df = _fetch(engine, request_stmt([run_id], {"prefill_finished": "PrefillFinished",
+                                                 "kv_received": "KVReceived"}))
     df["arrived"] = df["routed"] if not df.empty else pd.Series(dtype=float)
     # a request without KVReceived (decode computed it locally) runs from its first token,
     # at routing + TTFT
@@ -479,10 +429,17 @@ def _array_length(engine: Engine, field: str) -> Any:
     return func.json_array_length(E.c.payload[field])
 
 
+def _block_count(engine: Engine) -> Any:
+    """An event row's block count: the stored `blocks` column (read from the covering index),
+    or, in a store not yet migrated to it, the length of the payload's `blocks` list (parsed:
+    correct, slower)."""
+    return E.c.blocks if has_block_counts(engine) else _array_length(engine, "blocks")
+
+
 def block_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     """KV blocks reserved minus freed per (instance, time bin): instance, bin, delta. Summed
     in SQL; the page accumulates the deltas into blocks in use."""
-    n = _array_length(engine, "blocks")
+    n = _block_count(engine)
     delta = case((E.c.type == "BlocksReserved", n), else_=-n)
     return _fetch(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
                   .where(E.c.run == run_id, E.c.type.in_(["BlocksReserved", "BlocksFreed"]))

@@ -8,8 +8,9 @@ Rules kept here:
 - A run is named by its full id, by `latest` (the newest top-level run), or by any unique
   prefix of its id (the dashboard shows 8 characters); an ambiguous prefix is refused with the
   runs it matches.
-- Per-request figures come from one `GROUP BY (run, request)` over three event types, so a
-  request recorded at several hops (a live run: router, prefill leg, decode leg) counts once.
+- Per-request figures come from one `GROUP BY (run, request)` over a few event types
+  (`request_stmt`, which the dashboard shares), so a request recorded at several hops (a
+  live run: router, prefill leg, decode leg) counts once.
 - Percentiles interpolate linearly between order statistics (numpy's and pandas' default).
   A statistic with no sample is None, never NaN: every JSON written here is valid JSON.
 - A multi-turn run's rate is new conversations per second, and is labelled so.
@@ -18,7 +19,7 @@ Rules kept here:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,13 +89,33 @@ def _when(type_name: str, value: Any, extra: Any = None) -> Any:
     return case((cond, value))
 
 
-def _request_stmt(run_ids: Sequence[str]) -> Any:
+#: The event types `request_stmt` reads: a few rows per request.
+REQUEST_TYPES = ("RequestArrived", "RequestRouted", "PrefillStarted", "RequestFinished")
+
+
+def request_stmt(run_ids: Sequence[str], times: Mapping[str, str] | None = None) -> Any:
+    """One row per (run, request): run, request, arrived, routed, prefill_started,
+    prompt_tokens, output_tokens (generated when finished, else asked for), conversation,
+    turn, mode, bidirectional, prefill, decode, finished, ttft, tpot, e2e (s), ok; plus a time
+    column per `times` entry (column name -> event type: its first occurrence).
+
+    The one per-request query (the CLI's results and the dashboard's pages share it): one
+    `GROUP BY (run, request)` over a few event types, each run's rows found through the
+    covering index (run, type, ...); payload fields are read only inside a `CASE` on the row's
+    type, so only from rows that have them. A request recorded at several hops (a live run:
+    router, prefill leg, decode leg) is one row."""
     p = E.c.payload
+    extra = dict(times or {})
     return select(
         E.c.run, E.c.request,
         func.min(_when("RequestArrived", E.c.time)).label("arrived"),
+        func.min(_when("RequestRouted", E.c.time)).label("routed"),
+        func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
         func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
-        func.max(_when("RequestArrived", p["output_tokens"].as_integer())).label("output_tokens"),
+        func.coalesce(
+            func.max(_when("RequestFinished", p["output_tokens"].as_integer())),
+            func.max(_when("RequestArrived", p["output_tokens"].as_integer())),
+        ).label("output_tokens"),
         func.max(_when("RequestArrived", p["conversation"].as_string())).label("conversation"),
         func.max(_when("RequestArrived", p["turn"].as_integer())).label("turn"),
         func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
@@ -108,15 +129,16 @@ def _request_stmt(run_ids: Sequence[str]) -> Any:
         func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
         func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
                  ).label("ok"),
+        *(func.min(_when(t, E.c.time)).label(name) for name, t in extra.items()),
     ).where(E.c.run.in_(list(run_ids)), E.c.request.is_not(None),
-            E.c.type.in_(["RequestArrived", "RequestRouted", "RequestFinished"])
+            E.c.type.in_(sorted(set(REQUEST_TYPES) | set(extra.values())))
             ).group_by(E.c.run, E.c.request)
 
 
 def request_rows(engine: Engine, run_id: str) -> list[dict[str, Any]]:
     """One dict per request of the run (REQUEST_COLUMNS), in arrival order."""
     with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(_request_stmt([run_id]))]
+        rows = [dict(r._mapping) for r in conn.execute(request_stmt([run_id]))]
     t0 = min((r["arrived"] for r in rows if r["arrived"] is not None), default=0.0)
     out = []
     for r in rows:
