@@ -23,7 +23,7 @@ import pandas as pd
 from sqlalchemy import Engine, Integer, and_, case, cast, func, select
 
 from kvplane.results import request_stmt
-from kvplane.store import events_table, has_block_counts, runs_table
+from kvplane.store import by_type, events_table, has_block_counts, runs_table
 
 E = events_table
 R = runs_table
@@ -65,7 +65,17 @@ PHASES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 def _fetch(engine: Engine, stmt: Any) -> pd.DataFrame:
     with engine.connect() as conn:
         result = conn.execute(stmt)
-        return pd.DataFrame(result.fetchall(), columns=list(result.keys()))
+        columns = list(result.keys())
+        # plain tuples: handed Row objects, pandas probes each for attributes (a third of
+        # the time of a 16,000-row frame)
+        rows = [tuple(r) for r in result.fetchall()]
+    return pd.DataFrame.from_records(rows, columns=columns, coerce_float=False) if rows \
+        else pd.DataFrame(columns=columns)
+
+
+def _typed(engine: Engine, stmt: Any) -> pd.DataFrame:
+    """`_fetch` of a read by event type: through the (run, type, ...) index (`by_type`)."""
+    return _fetch(engine, by_type(stmt, engine))
 
 
 def _when(type_name: str, value: Any, extra: Any = None) -> Any:
@@ -96,7 +106,7 @@ def runs(engine: Engine) -> pd.DataFrame:
     last = select(func.max(E.c.seq)).where(E.c.run == R.c.id).scalar_subquery()
     sizes = _fetch(engine, select(R.c.id, (last + 1).label("events")))
     ok = E.c.payload["ok"].as_boolean()
-    heads = _fetch(engine, select(
+    heads = _typed(engine, select(
         E.c.run.label("id"),
         func.count().label("finished"),
         func.sum(case((ok.is_(False), 1), else_=0)).label("failed"),
@@ -105,7 +115,7 @@ def runs(engine: Engine) -> pd.DataFrame:
         (func.avg(E.c.payload["e2e"].as_float()) * 1e3).label("e2e_ms"),
     ).where(E.c.run.in_(ids), E.c.type == "RequestFinished").group_by(E.c.run))
     # distinct: a live run records each arrival at every hop (router, prefill, decode)
-    arrived = _fetch(engine, select(E.c.run.label("id"),
+    arrived = _typed(engine, select(E.c.run.label("id"),
                                     func.count(func.distinct(E.c.request)).label("requests"))
                      .where(E.c.run.in_(ids), E.c.type == "RequestArrived")
                      .group_by(E.c.run))
@@ -115,7 +125,7 @@ def runs(engine: Engine) -> pd.DataFrame:
     ).where(R.c.parent.is_not(None)).group_by(R.c.parent))
     lease_count = case((E.c.type == "LeaseGranted", 1), else_=0)
     reuse_count = case((E.c.type == "ReuseDecided", 1), else_=0)
-    marks = _fetch(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
+    marks = _typed(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
                                   func.sum(reuse_count).label("reuse_decisions"))
                    .where(E.c.run.in_(ids), E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
                    .group_by(E.c.run))
@@ -153,11 +163,13 @@ def children(engine: Engine, run_id: str) -> pd.DataFrame:
 
 
 def request_index(engine: Engine, run_id: str) -> pd.DataFrame:
-    """One light row per request of a run, to filter and sort on: request, arrived, routed,
-    prefill_started, prompt_tokens, output_tokens, conversation, turn, mode, bidirectional,
-    prefill, decode, finished, ttft, tpot, e2e, ok (`kvplane.results.request_stmt`, the
-    per-request query the CLI shares). A few event types, never the whole run."""
-    df = _fetch(engine, request_stmt([run_id]))
+    """One light row per request of a run, to filter and sort on: request, arrived,
+    prefill_started, prompt_tokens, output_tokens, mode, prefill, decode, finished, ttft,
+    tpot, e2e, ok (`kvplane.results.request_stmt`, the per-request query the CLI shares).
+    A few event types, never the whole run."""
+    df = _typed(engine, request_stmt([run_id], fields=(
+        "arrived", "prefill_started", "prompt_tokens", "output_tokens", "mode", "prefill",
+        "decode", "finished", "ttft", "tpot", "e2e", "ok")))
     if df.empty:
         return df
     df = df.drop(columns=["run"])
@@ -259,11 +271,13 @@ def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.D
 
 def finished_requests(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     """Per finished request of the runs: run, request, arrived, prompt_tokens, output_tokens,
-    ttft, tpot, e2e (s), ok, bidirectional, mode, ... (`request_stmt`'s columns)."""
+    mode, bidirectional, finished, ttft, tpot, e2e (s), ok (`request_stmt`)."""
     if not run_ids:
         return pd.DataFrame(columns=["run", "request", "arrived", "prompt_tokens",
                                      "output_tokens", "ttft", "tpot", "e2e", "ok"])
-    df = _fetch(engine, request_stmt(run_ids))
+    df = _typed(engine, request_stmt(run_ids, fields=(
+        "arrived", "prompt_tokens", "output_tokens", "mode", "bidirectional", "finished",
+        "ttft", "tpot", "e2e", "ok")))
     if df.empty:
         return df
     df = df[df["e2e"].notna()].copy()
@@ -292,10 +306,10 @@ def reuse_outcomes(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     if not run_ids:
         return pd.DataFrame(columns=["run", "what", "count"])
     outcome = E.c.payload["outcome"].as_string()
-    decided = _fetch(engine, select(E.c.run, outcome.label("what"), func.count().label("count"))
+    decided = _typed(engine, select(E.c.run, outcome.label("what"), func.count().label("count"))
                      .where(E.c.run.in_(list(run_ids)), E.c.type == "ReuseDecided")
                      .group_by(E.c.run, outcome))
-    other = _fetch(engine, select(E.c.run, E.c.type.label("what"), func.count().label("count"))
+    other = _typed(engine, select(E.c.run, E.c.type.label("what"), func.count().label("count"))
                    .where(E.c.run.in_(list(run_ids)),
                           E.c.type.in_(["ReadRefused", "LeaseExpired", "SessionMissed"]))
                    .group_by(E.c.run, E.c.type))
@@ -328,7 +342,7 @@ def prefill_split(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
         "RequestArrived", "RequestFinished", "PrefillStarted", "PrefillFinished",
         "TransferPlanned", "TransferCompleted", "ReuseDecided", "RequestRouted",
     ])).group_by(E.c.run, E.c.request)
-    df = _fetch(engine, stmt)
+    df = _typed(engine, stmt)
     if df.empty:
         return df
     df["recompute"] = df["pf"] - df["ps"]
@@ -343,7 +357,7 @@ def lease_events(engine: Engine, run_id: str) -> pd.DataFrame:
     """Every lease event of a run: time, type, instance, lease, blocks (grants only), purpose,
     expires_at. Lease events are a few per request, so this is sized by requests."""
     p = E.c.payload
-    df = _fetch(engine, select(
+    df = _typed(engine, select(
         E.c.seq, E.c.time, E.c.type, E.c.instance, E.c.request,
         p["lease"].as_string().label("lease"),
         case((E.c.type == "LeaseGranted", _block_count(engine)), else_=None).label("blocks"),
@@ -412,8 +426,9 @@ def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
     to), arrived (= routed: the router routes as a request arrives), routed, prefill_started,
     prefill_finished, kv_received, first_token, finished (s), ttft, tpot: `request_stmt` with
     two more milestones, one row per request (the fewest rows that tell it)."""
-    df = _fetch(engine, request_stmt([run_id], {"prefill_finished": "PrefillFinished",
-                                                 "kv_received": "KVReceived"}))
+    df = _typed(engine, request_stmt(
+        [run_id], {"prefill_finished": "PrefillFinished", "kv_received": "KVReceived"},
+        fields=("routed", "prefill_started", "prefill", "decode", "finished", "ttft", "tpot")))
     df["arrived"] = df["routed"] if not df.empty else pd.Series(dtype=float)
     # a request without KVReceived (decode computed it locally) runs from its first token,
     # at routing + TTFT
@@ -441,7 +456,7 @@ def block_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     in SQL; the page accumulates the deltas into blocks in use."""
     n = _block_count(engine)
     delta = case((E.c.type == "BlocksReserved", n), else_=-n)
-    return _fetch(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
+    return _typed(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
                   .where(E.c.run == run_id, E.c.type.in_(["BlocksReserved", "BlocksFreed"]))
                   .group_by(E.c.instance, "bin"))
 
@@ -451,7 +466,7 @@ def transfer_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     direction, bin, bytes, transfers."""
     p = E.c.payload
     dst, direction = p["dst"].as_string(), p["direction"].as_string()
-    return _fetch(engine, select(
+    return _typed(engine, select(
         dst.label("dst"), direction.label("direction"), _bin(engine, width),
         func.sum(p["bytes"].as_integer()).label("bytes"), func.count().label("transfers"),
     ).where(E.c.run == run_id, E.c.type == "TransferPlanned").group_by(dst, direction, "bin"))
@@ -464,7 +479,7 @@ def prefix_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     p = E.c.payload
     started = E.c.type == "PrefillStarted"
     decided = E.c.type == "ReuseDecided"
-    return _fetch(engine, select(
+    return _typed(engine, select(
         E.c.instance, _bin(engine, width),
         func.sum(case((started, p["cached_tokens"].as_integer()), else_=0)).label("cached"),
         func.sum(case((started, p["computed_tokens"].as_integer()), else_=0)).label("computed"),

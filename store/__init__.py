@@ -27,7 +27,14 @@ from .errors import (
     StoreUnreadable,
 )
 from .event_store import EventStore, RunInfo, open_store
-from .migrate import current_revision, has_block_counts, head_revision, model_drift, upgrade
+from .migrate import (
+    by_type,
+    current_revision,
+    has_block_counts,
+    head_revision,
+    model_drift,
+    upgrade,
+)
 from .recorders import BatchingRecorder, ListRecorder, NullRecorder, Recorder
 from .schema import RUN_KINDS, EventRow, RunKind, RunRow, events_table, metadata, runs_table
 
@@ -59,6 +66,7 @@ __all__ = [
     "StoreUnreadable",
     "StoredEventUnreadable",
     "block_count",
+    "by_type",
     "current_revision",
     "encode_batch",
     "encode_event",

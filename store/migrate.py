@@ -32,11 +32,11 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, inspect, text
+from sqlalchemy import Connection, Engine, Select, inspect, text
 
 from .engine import WRITE_LOCK
 from .errors import StoreTooNew
-from .schema import VERSION_TABLE, metadata
+from .schema import VERSION_TABLE, events_table, metadata
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 
@@ -90,6 +90,19 @@ def upgrade_note(revision: str | None, where: str) -> str | None:
 def has_block_counts(engine: Engine) -> bool:
     """Whether the events table has the `blocks` column (revision 0002 on)."""
     return _has_block_counts(engine)
+
+
+TYPE_INDEX: Final = "ix_events_run_type_cover"
+
+
+def by_type(stmt: Select[Any], engine: Engine) -> Select[Any]:
+    """`stmt`, a read of some event types of some runs, told to find its rows through the
+    (run, type, ...) index on SQLite. Without statistics SQLite's planner prefers the (run,
+    request) index whenever a query groups by request, and then reads every row of the run to
+    look at its type: 30x the rows of a query on four types. (PostgreSQL plans by its own
+    statistics; the hint is rendered for SQLite only.)"""
+    name = TYPE_INDEX if has_block_counts(engine) else "ix_events_run_type"  # before 0002
+    return stmt.with_hint(events_table, f"INDEXED BY {name}", "sqlite")
 
 
 @functools.lru_cache(maxsize=32)
