@@ -127,7 +127,8 @@ def prefix_bins(url: str, run_id: str, width: float) -> pd.DataFrame:
 def clear_caches() -> None:
     for fn in (runs, children, request_index, request_table, request_events, finished_requests,
                reuse_outcomes, prefill_split, lease_events, scenario_of, run_span,
-               instance_requests, block_bins, transfer_bins, prefix_bins, pool_capacity):
+               instance_requests, block_bins, transfer_bins, prefix_bins, pool_capacity,
+               sweep_scenario):
         fn.clear()
 
 
@@ -230,6 +231,7 @@ def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
         return None
 
 
+@st.cache_data(ttl=TTL_S, show_spinner=False)
 def sweep_scenario(url: str, sweep_id: str) -> dict[str, Any] | None:
     """The scenario of a sweep as recorded or named (with its `published:` section): the
     sweep's own, else the bundled scenario its name or `compare_with` points at."""
