@@ -90,8 +90,8 @@ def reuse_outcomes(url: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
-def prefill_split(url: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
-    return q.prefill_split(_e(url), run_ids)
+def prefill_split(url: str, run_ids: tuple[str, ...], reuse: bool = True) -> pd.DataFrame:
+    return q.prefill_split(_e(url), run_ids, reuse)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)

@@ -319,9 +319,13 @@ def reuse_outcomes(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     return pd.concat([decided, other], ignore_index=True)
 
 
-def prefill_split(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
+def prefill_split(engine: Engine, run_ids: Sequence[str], reuse: bool = True) -> pd.DataFrame:
     """Per request: run, request, prompt_tokens, ttft, recompute (prefill compute, s), read
-    (D->P reuse read, s; 0 when none), cached_tokens, outcome, bidirectional."""
+    (D->P reuse read, s; 0 when none), cached_tokens, outcome, bidirectional.
+
+    `reuse=False` (the runs hold no reuse decision, so no D->P read): the transfer rows are
+    not read at all (telling a read from a push transfer parses a transfer's payload, block
+    lists and all)."""
     if not run_ids:
         return pd.DataFrame(columns=["run", "request", "prompt_tokens", "ttft", "recompute",
                                      "read", "cached_tokens", "outcome", "bidirectional"])
@@ -340,7 +344,8 @@ def prefill_split(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
                                              else_=0))).label("bidirectional"),
     ).where(E.c.run.in_(list(run_ids)), E.c.type.in_([
         "RequestArrived", "RequestFinished", "PrefillStarted", "PrefillFinished",
-        "TransferPlanned", "TransferCompleted", "ReuseDecided", "RequestRouted",
+        "RequestRouted", *(["TransferPlanned", "TransferCompleted", "ReuseDecided"]
+                           if reuse else []),
     ])).group_by(E.c.run, E.c.request)
     df = _typed(engine, stmt)
     if df.empty:
