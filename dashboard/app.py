@@ -25,6 +25,12 @@ with st.sidebar:
     st.title("kvplane")
     page = st.radio("Page", names, key="page")
     st.caption(f"store: `{url.split('@')[-1]}`")
+    try:
+        note = common.store(url).upgrade_note
+    except Exception:  # noqa: BLE001 - an unreadable store: reported below
+        note = None
+    if note:
+        st.warning(note[0].upper() + note[1:], icon="🐢")
     if st.button("Refresh", help="Read the store again (queries are cached for a minute)."):
         common.clear_caches()
 

@@ -22,7 +22,7 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import Engine
 
-from kvplane.store import open_store, resolve_url
+from kvplane.store import EventStore, open_store, resolve_url
 
 from . import queries as q
 
@@ -39,10 +39,15 @@ def db_url() -> str:
 
 
 @st.cache_resource(show_spinner=False)
-def engine(url: str) -> Engine:
+def store(url: str) -> EventStore:
     # The dashboard only reads (read-only: a damaged, foreign or newer store is refused with
-    # a clear error); a missing store is first created empty, as its What-if page fills it.
-    return open_store(url, read_only=True, create_missing=True).engine
+    # a clear error; an older one is read as it is); a missing store is first created empty,
+    # as its What-if page fills it.
+    return open_store(url, read_only=True, create_missing=True)
+
+
+def engine(url: str) -> Engine:
+    return store(url).engine
 
 
 def _e(url: str) -> Engine:
@@ -85,8 +90,8 @@ def reuse_outcomes(url: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
-def prefill_split(url: str, run_ids: tuple[str, ...]) -> pd.DataFrame:
-    return q.prefill_split(_e(url), run_ids)
+def prefill_split(url: str, run_ids: tuple[str, ...], reuse: bool = True) -> pd.DataFrame:
+    return q.prefill_split(_e(url), run_ids, reuse)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -122,7 +127,8 @@ def prefix_bins(url: str, run_id: str, width: float) -> pd.DataFrame:
 def clear_caches() -> None:
     for fn in (runs, children, request_index, request_table, request_events, finished_requests,
                reuse_outcomes, prefill_split, lease_events, scenario_of, run_span,
-               instance_requests, block_bins, transfer_bins, prefix_bins, pool_capacity):
+               instance_requests, block_bins, transfer_bins, prefix_bins, pool_capacity,
+               sweep_scenario):
         fn.clear()
 
 
@@ -207,11 +213,10 @@ def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
     """The scenario (model_dump) a run was made under, or None when it cannot be told."""
     from kvplane.sim.config import ScenarioError, load_scenario
     from kvplane.sim.replay_sim import scenario_for_run
-    from kvplane.store import EventStore
 
-    store = EventStore(_e(url))
+    reader = store(url)
     try:
-        info = store.run(run_id)
+        info = reader.run(run_id)
     except Exception:  # noqa: BLE001 - deleted meanwhile
         return None
     compare = info.meta.get("compare_with") if isinstance(info.meta, dict) else None
@@ -221,11 +226,12 @@ def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
         except ScenarioError:
             return None
     try:
-        return scenario_for_run(store, info).model_dump(mode="json")
+        return scenario_for_run(reader, info).model_dump(mode="json")
     except (ScenarioError, ValueError):
         return None
 
 
+@st.cache_data(ttl=TTL_S, show_spinner=False)
 def sweep_scenario(url: str, sweep_id: str) -> dict[str, Any] | None:
     """The scenario of a sweep as recorded or named (with its `published:` section): the
     sweep's own, else the bundled scenario its name or `compare_with` points at."""

@@ -22,7 +22,8 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Engine, Integer, and_, case, cast, func, select
 
-from kvplane.store import events_table, runs_table
+from kvplane.results import request_stmt
+from kvplane.store import by_type, events_table, has_block_counts, runs_table
 
 E = events_table
 R = runs_table
@@ -64,7 +65,17 @@ PHASES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 def _fetch(engine: Engine, stmt: Any) -> pd.DataFrame:
     with engine.connect() as conn:
         result = conn.execute(stmt)
-        return pd.DataFrame(result.fetchall(), columns=list(result.keys()))
+        columns = list(result.keys())
+        # plain tuples: handed Row objects, pandas probes each for attributes (a third of
+        # the time of a 16,000-row frame)
+        rows = [tuple(r) for r in result.fetchall()]
+    return pd.DataFrame.from_records(rows, columns=columns, coerce_float=False) if rows \
+        else pd.DataFrame(columns=columns)
+
+
+def _typed(engine: Engine, stmt: Any) -> pd.DataFrame:
+    """`_fetch` of a read by event type: through the (run, type, ...) index (`by_type`)."""
+    return _fetch(engine, by_type(stmt, engine))
 
 
 def _when(type_name: str, value: Any, extra: Any = None) -> Any:
@@ -95,7 +106,7 @@ def runs(engine: Engine) -> pd.DataFrame:
     last = select(func.max(E.c.seq)).where(E.c.run == R.c.id).scalar_subquery()
     sizes = _fetch(engine, select(R.c.id, (last + 1).label("events")))
     ok = E.c.payload["ok"].as_boolean()
-    heads = _fetch(engine, select(
+    heads = _typed(engine, select(
         E.c.run.label("id"),
         func.count().label("finished"),
         func.sum(case((ok.is_(False), 1), else_=0)).label("failed"),
@@ -104,7 +115,7 @@ def runs(engine: Engine) -> pd.DataFrame:
         (func.avg(E.c.payload["e2e"].as_float()) * 1e3).label("e2e_ms"),
     ).where(E.c.run.in_(ids), E.c.type == "RequestFinished").group_by(E.c.run))
     # distinct: a live run records each arrival at every hop (router, prefill, decode)
-    arrived = _fetch(engine, select(E.c.run.label("id"),
+    arrived = _typed(engine, select(E.c.run.label("id"),
                                     func.count(func.distinct(E.c.request)).label("requests"))
                      .where(E.c.run.in_(ids), E.c.type == "RequestArrived")
                      .group_by(E.c.run))
@@ -114,7 +125,7 @@ def runs(engine: Engine) -> pd.DataFrame:
     ).where(R.c.parent.is_not(None)).group_by(R.c.parent))
     lease_count = case((E.c.type == "LeaseGranted", 1), else_=0)
     reuse_count = case((E.c.type == "ReuseDecided", 1), else_=0)
-    marks = _fetch(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
+    marks = _typed(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
                                   func.sum(reuse_count).label("reuse_decisions"))
                    .where(E.c.run.in_(ids), E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
                    .group_by(E.c.run))
@@ -153,32 +164,15 @@ def children(engine: Engine, run_id: str) -> pd.DataFrame:
 
 def request_index(engine: Engine, run_id: str) -> pd.DataFrame:
     """One light row per request of a run, to filter and sort on: request, arrived,
-    prefill_started, prompt_tokens, output_tokens, mode, prefill, decode, ttft, tpot, e2e, ok.
-
-    Reads four event types (a few rows per request, index (run, type)), never the whole run.
-    """
-    p = E.c.payload
-    df = _fetch(engine, select(
-        E.c.request,
-        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
-        func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
-        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
-        func.max(_when("RequestArrived", p["output_tokens"].as_integer())).label("output_tokens"),
-        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
-        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
-        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
-        func.min(_when("RequestFinished", E.c.time)).label("finished"),
-        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
-        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
-        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
-        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
-                 ).label("ok"),
-    ).where(E.c.run == run_id, E.c.request.is_not(None),
-            E.c.type.in_(["RequestArrived", "PrefillStarted", "RequestRouted",
-                          "RequestFinished"]))
-        .group_by(E.c.request))
+    prefill_started, prompt_tokens, output_tokens, mode, prefill, decode, finished, ttft,
+    tpot, e2e, ok (`kvplane.results.request_stmt`, the per-request query the CLI shares).
+    A few event types, never the whole run."""
+    df = _typed(engine, request_stmt([run_id], fields=(
+        "arrived", "prefill_started", "prompt_tokens", "output_tokens", "mode", "prefill",
+        "decode", "finished", "ttft", "tpot", "e2e", "ok")))
     if df.empty:
         return df
+    df = df.drop(columns=["run"])
     df["ok"] = df["ok"].fillna(0).astype(int).astype(bool) & df["finished"].notna()
     df["prompt_tokens"] = df["prompt_tokens"].fillna(0).astype(int)
     return df
@@ -277,28 +271,13 @@ def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.D
 
 def finished_requests(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     """Per finished request of the runs: run, request, arrived, prompt_tokens, output_tokens,
-    ttft, tpot, e2e (s), ok, bidirectional, mode. Two event types, grouped by (run, request)."""
+    mode, bidirectional, finished, ttft, tpot, e2e (s), ok (`request_stmt`)."""
     if not run_ids:
         return pd.DataFrame(columns=["run", "request", "arrived", "prompt_tokens",
                                      "output_tokens", "ttft", "tpot", "e2e", "ok"])
-    p = E.c.payload
-    stmt = select(
-        E.c.run, E.c.request,
-        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
-        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
-        func.max(_when("RequestFinished", p["output_tokens"].as_integer())).label("output_tokens"),
-        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
-        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
-        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
-        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
-                 ).label("ok"),
-        func.max(_when("RequestRouted", case((p["bidirectional"].as_boolean().is_(True), 1),
-                                             else_=0))).label("bidirectional"),
-        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
-    ).where(E.c.run.in_(list(run_ids)),
-            E.c.type.in_(["RequestArrived", "RequestFinished", "RequestRouted"])
-            ).group_by(E.c.run, E.c.request)
-    df = _fetch(engine, stmt)
+    df = _typed(engine, request_stmt(run_ids, fields=(
+        "arrived", "prompt_tokens", "output_tokens", "mode", "bidirectional", "finished",
+        "ttft", "tpot", "e2e", "ok")))
     if df.empty:
         return df
     df = df[df["e2e"].notna()].copy()
@@ -327,10 +306,10 @@ def reuse_outcomes(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     if not run_ids:
         return pd.DataFrame(columns=["run", "what", "count"])
     outcome = E.c.payload["outcome"].as_string()
-    decided = _fetch(engine, select(E.c.run, outcome.label("what"), func.count().label("count"))
+    decided = _typed(engine, select(E.c.run, outcome.label("what"), func.count().label("count"))
                      .where(E.c.run.in_(list(run_ids)), E.c.type == "ReuseDecided")
                      .group_by(E.c.run, outcome))
-    other = _fetch(engine, select(E.c.run, E.c.type.label("what"), func.count().label("count"))
+    other = _typed(engine, select(E.c.run, E.c.type.label("what"), func.count().label("count"))
                    .where(E.c.run.in_(list(run_ids)),
                           E.c.type.in_(["ReadRefused", "LeaseExpired", "SessionMissed"]))
                    .group_by(E.c.run, E.c.type))
@@ -340,9 +319,13 @@ def reuse_outcomes(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     return pd.concat([decided, other], ignore_index=True)
 
 
-def prefill_split(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
+def prefill_split(engine: Engine, run_ids: Sequence[str], reuse: bool = True) -> pd.DataFrame:
     """Per request: run, request, prompt_tokens, ttft, recompute (prefill compute, s), read
-    (D->P reuse read, s; 0 when none), cached_tokens, outcome, bidirectional."""
+    (D->P reuse read, s; 0 when none), cached_tokens, outcome, bidirectional.
+
+    `reuse=False` (the runs hold no reuse decision, so no D->P read): the transfer rows are
+    not read at all (telling a read from a push transfer parses a transfer's payload, block
+    lists and all)."""
     if not run_ids:
         return pd.DataFrame(columns=["run", "request", "prompt_tokens", "ttft", "recompute",
                                      "read", "cached_tokens", "outcome", "bidirectional"])
@@ -361,9 +344,10 @@ def prefill_split(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
                                              else_=0))).label("bidirectional"),
     ).where(E.c.run.in_(list(run_ids)), E.c.type.in_([
         "RequestArrived", "RequestFinished", "PrefillStarted", "PrefillFinished",
-        "TransferPlanned", "TransferCompleted", "ReuseDecided", "RequestRouted",
+        "RequestRouted", *(["TransferPlanned", "TransferCompleted", "ReuseDecided"]
+                           if reuse else []),
     ])).group_by(E.c.run, E.c.request)
-    df = _fetch(engine, stmt)
+    df = _typed(engine, stmt)
     if df.empty:
         return df
     df["recompute"] = df["pf"] - df["ps"]
@@ -378,11 +362,10 @@ def lease_events(engine: Engine, run_id: str) -> pd.DataFrame:
     """Every lease event of a run: time, type, instance, lease, blocks (grants only), purpose,
     expires_at. Lease events are a few per request, so this is sized by requests."""
     p = E.c.payload
-    df = _fetch(engine, select(
+    df = _typed(engine, select(
         E.c.seq, E.c.time, E.c.type, E.c.instance, E.c.request,
         p["lease"].as_string().label("lease"),
-        case((E.c.type == "LeaseGranted", func.json_array_length(p["blocks"])),
-             else_=None).label("blocks"),
+        case((E.c.type == "LeaseGranted", _block_count(engine)), else_=None).label("blocks"),
         case((E.c.type == "LeaseGranted", p["purpose"].as_string()), else_=None).label("purpose"),
         case((E.c.type.in_(["LeaseGranted", "LeaseRenewed"]), p["expires_at"].as_float()),
              else_=None).label("expires_at"),
@@ -446,24 +429,11 @@ def run_span(engine: Engine, run_id: str, edge: int = 2000) -> tuple[float, floa
 def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
     """Per request, where and when it waited and ran: prefill, decode (instances it was routed
     to), arrived (= routed: the router routes as a request arrives), routed, prefill_started,
-    prefill_finished, kv_received, finished (s), ttft, tpot. Five event types, one row per
-    request (the fewest rows that tell it)."""
-    p = E.c.payload
-    df = _fetch(engine, select(
-        E.c.request,
-        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
-        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
-        func.min(_when("RequestRouted", E.c.time)).label("routed"),
-        func.min(_when("PrefillStarted", E.c.time)).label("prefill_started"),
-        func.min(_when("PrefillFinished", E.c.time)).label("prefill_finished"),
-        func.min(_when("KVReceived", E.c.time)).label("kv_received"),
-        func.min(_when("RequestFinished", E.c.time)).label("finished"),
-        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
-        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
-    ).where(E.c.run == run_id, E.c.request.is_not(None),
-            E.c.type.in_(["RequestRouted", "PrefillStarted", "PrefillFinished", "KVReceived",
-                          "RequestFinished"]))
-        .group_by(E.c.request))
+    prefill_finished, kv_received, first_token, finished (s), ttft, tpot: `request_stmt` with
+    two more milestones, one row per request (the fewest rows that tell it)."""
+    df = _typed(engine, request_stmt(
+        [run_id], {"prefill_finished": "PrefillFinished", "kv_received": "KVReceived"},
+        fields=("routed", "prefill_started", "prefill", "decode", "finished", "ttft", "tpot")))
     df["arrived"] = df["routed"] if not df.empty else pd.Series(dtype=float)
     # a request without KVReceived (decode computed it locally) runs from its first token,
     # at routing + TTFT
@@ -479,12 +449,19 @@ def _array_length(engine: Engine, field: str) -> Any:
     return func.json_array_length(E.c.payload[field])
 
 
+def _block_count(engine: Engine) -> Any:
+    """An event row's block count: the stored `blocks` column (read from the covering index),
+    or, in a store not yet migrated to it, the length of the payload's `blocks` list (parsed:
+    correct, slower)."""
+    return E.c.blocks if has_block_counts(engine) else _array_length(engine, "blocks")
+
+
 def block_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     """KV blocks reserved minus freed per (instance, time bin): instance, bin, delta. Summed
     in SQL; the page accumulates the deltas into blocks in use."""
-    n = _array_length(engine, "blocks")
+    n = _block_count(engine)
     delta = case((E.c.type == "BlocksReserved", n), else_=-n)
-    return _fetch(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
+    return _typed(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
                   .where(E.c.run == run_id, E.c.type.in_(["BlocksReserved", "BlocksFreed"]))
                   .group_by(E.c.instance, "bin"))
 
@@ -494,7 +471,7 @@ def transfer_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     direction, bin, bytes, transfers."""
     p = E.c.payload
     dst, direction = p["dst"].as_string(), p["direction"].as_string()
-    return _fetch(engine, select(
+    return _typed(engine, select(
         dst.label("dst"), direction.label("direction"), _bin(engine, width),
         func.sum(p["bytes"].as_integer()).label("bytes"), func.count().label("transfers"),
     ).where(E.c.run == run_id, E.c.type == "TransferPlanned").group_by(dst, direction, "bin"))
@@ -507,7 +484,7 @@ def prefix_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     p = E.c.payload
     started = E.c.type == "PrefillStarted"
     decided = E.c.type == "ReuseDecided"
-    return _fetch(engine, select(
+    return _typed(engine, select(
         E.c.instance, _bin(engine, width),
         func.sum(case((started, p["cached_tokens"].as_integer()), else_=0)).label("cached"),
         func.sum(case((started, p["computed_tokens"].as_integer()), else_=0)).label("computed"),

@@ -1,4 +1,4 @@
-"""`kvplane runs`, `show`, `compare`, `export`: results you can take away.
+"""`kvplane runs`, `show`, `compare`, `export`: results you can take away; `upgrade`.
 
 `register(app)` adds them to the main app. The figures come from kvplane/results.py (plain
 SQL and the standard library); Parquet needs pyarrow (the dashboard extra brings it).
@@ -44,6 +44,36 @@ def runs(db: DbOpt = None,
             typer.echo(f"no runs in {store.url}")
             return
         typer.echo(format_runs_table(rows))
+        if store.upgrade_note:
+            typer.secho(f"note: {store.upgrade_note}", fg=typer.colors.YELLOW, err=True)
+
+
+def upgrade(db: DbOpt = None) -> None:
+    """Migrate the event store to this kvplane's schema revision (creating it if missing).
+
+    Reading commands and the dashboard read an older store as it is, correctly but slower
+    (revision 0002 adds block counts beside the events and a covering index); every writing
+    command migrates it anyway. This does only that, once, and says what it did."""
+    import time
+
+    from kvplane.store import current_revision, head_revision, make_engine, open_store
+
+    engine = make_engine(db, read_only=True)
+    try:
+        before = current_revision(engine)
+    except Exception:  # noqa: BLE001 - a missing or damaged store: open_store says what
+        before = None
+    finally:
+        engine.dispose()
+    t = time.perf_counter()
+    with open_store(db) as store:
+        where = store.url
+    head = head_revision()
+    if before == head:
+        typer.echo(f"{where} is at revision {head} already")
+    else:
+        typer.echo(f"{where}: revision {before or '(new)'} -> {head} in "
+                   f"{time.perf_counter() - t:.1f} s")
 
 
 def show(run: RunArg, db: DbOpt = None,
@@ -166,3 +196,4 @@ def register(app: typer.Typer) -> None:
     app.command("show")(show)
     app.command("compare")(compare)
     app.command("export")(export)
+    app.command("upgrade")(upgrade)

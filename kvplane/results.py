@@ -8,8 +8,9 @@ Rules kept here:
 - A run is named by its full id, by `latest` (the newest top-level run), or by any unique
   prefix of its id (the dashboard shows 8 characters); an ambiguous prefix is refused with the
   runs it matches.
-- Per-request figures come from one `GROUP BY (run, request)` over three event types, so a
-  request recorded at several hops (a live run: router, prefill leg, decode leg) counts once.
+- Per-request figures come from one `GROUP BY (run, request)` over a few event types
+  (`request_stmt`, which the dashboard shares), so a request recorded at several hops (a
+  live run: router, prefill leg, decode leg) counts once.
 - Percentiles interpolate linearly between order statistics (numpy's and pandas' default).
   A statistic with no sample is None, never NaN: every JSON written here is valid JSON.
 - A multi-turn run's rate is new conversations per second, and is labelled so.
@@ -18,13 +19,13 @@ Rules kept here:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine, and_, case, func, select
 
-from kvplane.store import EventStore, RunInfo, RunNotFound, events_table, runs_table
+from kvplane.store import EventStore, RunInfo, RunNotFound, by_type, events_table, runs_table
 
 E = events_table
 R = runs_table
@@ -88,35 +89,67 @@ def _when(type_name: str, value: Any, extra: Any = None) -> Any:
     return case((cond, value))
 
 
-def _request_stmt(run_ids: Sequence[str]) -> Any:
+def _request_fields() -> dict[str, tuple[tuple[str, ...], Any]]:
+    """Every column `request_stmt` can give: name -> (event types it reads, aggregate)."""
     p = E.c.payload
+    arrived, routed, finished = ("RequestArrived",), ("RequestRouted",), ("RequestFinished",)
+    return {
+        "arrived": (arrived, func.min(_when("RequestArrived", E.c.time))),
+        "routed": (routed, func.min(_when("RequestRouted", E.c.time))),
+        "prefill_started": (("PrefillStarted",), func.min(_when("PrefillStarted", E.c.time))),
+        "prompt_tokens": (arrived, func.max(_when("RequestArrived",
+                                                  p["prompt_tokens"].as_integer()))),
+        "output_tokens": (finished + arrived, func.coalesce(
+            func.max(_when("RequestFinished", p["output_tokens"].as_integer())),
+            func.max(_when("RequestArrived", p["output_tokens"].as_integer())))),
+        "conversation": (arrived, func.max(_when("RequestArrived",
+                                                 p["conversation"].as_string()))),
+        "turn": (arrived, func.max(_when("RequestArrived", p["turn"].as_integer()))),
+        "mode": (routed, func.max(_when("RequestRouted", p["mode"].as_string()))),
+        "bidirectional": (routed, func.max(_when("RequestRouted", case(
+            (p["bidirectional"].as_boolean().is_(True), 1), else_=0)))),
+        "prefill": (routed, func.max(_when("RequestRouted", p["prefill"].as_string()))),
+        "decode": (routed, func.max(_when("RequestRouted", p["decode"].as_string()))),
+        "finished": (finished, func.min(_when("RequestFinished", E.c.time))),
+        "ttft": (finished, func.max(_when("RequestFinished", p["ttft"].as_float()))),
+        "tpot": (finished, func.max(_when("RequestFinished", p["tpot"].as_float()))),
+        "e2e": (finished, func.max(_when("RequestFinished", p["e2e"].as_float()))),
+        "ok": (finished, func.min(_when("RequestFinished", case(
+            (p["ok"].as_boolean().is_(False), 0), else_=1)))),
+    }
+
+
+#: Every column `request_stmt` gives by default, after run and request.
+REQUEST_FIELDS = tuple(_request_fields())
+
+
+def request_stmt(run_ids: Sequence[str], times: Mapping[str, str] | None = None,
+                 fields: Sequence[str] = REQUEST_FIELDS) -> Any:
+    """One row per (run, request): run, request and `fields` (of REQUEST_FIELDS: arrived,
+    routed, prefill_started, prompt_tokens, output_tokens (generated when finished, else
+    asked for), conversation, turn, mode, bidirectional, prefill, decode, finished, ttft,
+    tpot, e2e (s), ok); plus a time column per `times` entry (column name -> event type: its
+    first occurrence).
+
+    The one per-request query (the CLI's results and the dashboard's pages share it): one
+    `GROUP BY (run, request)` over the few event types the fields need, each run's rows
+    found through the (run, type, ...) index (`kvplane.store.by_type`); payload fields are
+    read only inside a `CASE` on the row's type, so only from rows that have them. A request
+    recorded at several hops (a live run: router, prefill leg, decode leg) is one row."""
+    known = _request_fields()
+    types = {t for f in fields for t in known[f][0]} | set((times or {}).values())
     return select(
         E.c.run, E.c.request,
-        func.min(_when("RequestArrived", E.c.time)).label("arrived"),
-        func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
-        func.max(_when("RequestArrived", p["output_tokens"].as_integer())).label("output_tokens"),
-        func.max(_when("RequestArrived", p["conversation"].as_string())).label("conversation"),
-        func.max(_when("RequestArrived", p["turn"].as_integer())).label("turn"),
-        func.max(_when("RequestRouted", p["mode"].as_string())).label("mode"),
-        func.max(_when("RequestRouted", case((p["bidirectional"].as_boolean().is_(True), 1),
-                                             else_=0))).label("bidirectional"),
-        func.max(_when("RequestRouted", p["prefill"].as_string())).label("prefill"),
-        func.max(_when("RequestRouted", p["decode"].as_string())).label("decode"),
-        func.min(_when("RequestFinished", E.c.time)).label("finished"),
-        func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
-        func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
-        func.max(_when("RequestFinished", p["e2e"].as_float())).label("e2e"),
-        func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
-                 ).label("ok"),
-    ).where(E.c.run.in_(list(run_ids)), E.c.request.is_not(None),
-            E.c.type.in_(["RequestArrived", "RequestRouted", "RequestFinished"])
+        *(known[f][1].label(f) for f in fields),
+        *(func.min(_when(t, E.c.time)).label(name) for name, t in (times or {}).items()),
+    ).where(E.c.run.in_(list(run_ids)), E.c.request.is_not(None), E.c.type.in_(sorted(types))
             ).group_by(E.c.run, E.c.request)
 
 
 def request_rows(engine: Engine, run_id: str) -> list[dict[str, Any]]:
     """One dict per request of the run (REQUEST_COLUMNS), in arrival order."""
     with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(_request_stmt([run_id]))]
+        rows = [dict(r._mapping) for r in conn.execute(by_type(request_stmt([run_id]), engine))]
     t0 = min((r["arrived"] for r in rows if r["arrived"] is not None), default=0.0)
     out = []
     for r in rows:
@@ -251,7 +284,7 @@ def runs_table_rows(store: EventStore) -> list[dict[str, Any]]:
             select(R.c.id, R.c.kind, R.c.scenario, R.c.started, R.c.parent, R.c.meta)
             .order_by(R.c.started.desc(), R.c.id))]
         p = E.c.payload
-        per_req = conn.execute(select(
+        per_req = conn.execute(by_type(select(
             E.c.run, E.c.request,
             func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
             func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
@@ -259,7 +292,7 @@ def runs_table_rows(store: EventStore) -> list[dict[str, Any]]:
             func.max(_when("RequestArrived", p["conversation"].as_string())).label("conv"),
         ).where(E.c.run.in_([b["id"] for b in base]),  # the (run, type) index, run by run
                 E.c.type.in_(["RequestArrived", "RequestFinished"]), E.c.request.is_not(None))
-            .group_by(E.c.run, E.c.request)).all()
+            .group_by(E.c.run, E.c.request), engine)).all()
         kids = dict(conn.execute(select(R.c.parent, func.count()).where(R.c.parent.is_not(None))
                                  .group_by(R.c.parent)).all())
     by_run: dict[str, list[Any]] = {}

@@ -9,7 +9,7 @@ Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_t
 
 from __future__ import annotations
 
-from .encoding import EncodedEvent, encode_batch, encode_event
+from .encoding import EncodedEvent, block_count, encode_batch, encode_event
 from .engine import DEFAULT_URL, ENV_VAR, make_engine, resolve_url
 from .errors import (
     EventRefused,
@@ -27,7 +27,14 @@ from .errors import (
     StoreUnreadable,
 )
 from .event_store import EventStore, RunInfo, open_store
-from .migrate import current_revision, head_revision, model_drift, upgrade
+from .migrate import (
+    by_type,
+    current_revision,
+    has_block_counts,
+    head_revision,
+    model_drift,
+    upgrade,
+)
 from .recorders import BatchingRecorder, ListRecorder, NullRecorder, Recorder
 from .schema import RUN_KINDS, EventRow, RunKind, RunRow, events_table, metadata, runs_table
 
@@ -58,10 +65,13 @@ __all__ = [
     "StoreTooNew",
     "StoreUnreadable",
     "StoredEventUnreadable",
+    "block_count",
+    "by_type",
     "current_revision",
     "encode_batch",
     "encode_event",
     "events_table",
+    "has_block_counts",
     "head_revision",
     "make_engine",
     "metadata",

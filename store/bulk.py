@@ -30,7 +30,7 @@ from sqlalchemy import Connection, insert
 from .encoding import EncodedEvent
 from .schema import events_table
 
-_COLUMNS: Final = ("run", "seq", "time", "type", "request", "instance", "payload")
+_COLUMNS: Final = ("run", "seq", "time", "type", "request", "instance", "blocks", "payload")
 _SQLITE_ROWS: Final = 4000  # 28000 parameters; SQLite allows 32766 by default since 3.32
 _SQLITE_ROW: Final = "(" + ", ".join("?" * len(_COLUMNS)) + ")"
 _PG_COPY: Final = f"COPY events ({', '.join(_COLUMNS)}) FROM STDIN"
@@ -49,7 +49,8 @@ def bulk_insert(conn: Connection, run_id: str, first: int, rows: Sequence[Encode
         conn.execute(
             insert(events_table),
             [{"run": run_id, "seq": first + i, "time": row["time"], "type": row["type"],
-              "request": row["request"], "instance": row["instance"], "payload": row["payload"]}
+              "request": row["request"], "instance": row["instance"],
+              "blocks": row.get("blocks"), "payload": row["payload"]}
              for i, row in enumerate(rows)],
         )
 
@@ -57,7 +58,7 @@ def bulk_insert(conn: Connection, run_id: str, first: int, rows: Sequence[Encode
 def _tuples(run_id: str, first: int, rows: Sequence[EncodedEvent]) -> list[tuple[Any, ...]]:
     dumps = _dumps
     return [
-        (run_id, first + i, r["time"], r["type"], r["request"], r["instance"],
+        (run_id, first + i, r["time"], r["type"], r["request"], r["instance"], r.get("blocks"),
          r["payload_json"] if "payload_json" in r else dumps(r["payload"]))
         for i, r in enumerate(rows)
     ]  # fmt: skip

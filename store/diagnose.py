@@ -10,7 +10,8 @@ Rules kept here:
   `translated` maps a driver error to one of these, or returns None for any other error,
   which then propagates as it is (a bug is not dressed up as a damaged store).
 - Opened read-only, a database must already be a kvplane store: our version table present
-  and at a revision this kvplane reads (`migrate.check_revision`). No version table is
+  and at a revision this kvplane knows (`migrate.check_revision`; an older one is read as it
+  is, see `migrate.upgrade_note`). No version table is
   `NotAStore`, naming the tables found (another application's database) or saying it is
   empty.
 """
@@ -43,8 +44,9 @@ def require_file(path: str) -> None:
         raise StoreUnreadable(f"{path} is a directory, not a store")
 
 
-def check_schema(conn: Connection, where: str) -> None:
-    """Refuse a database that is not a kvplane store this kvplane can read as it is."""
+def check_schema(conn: Connection, where: str) -> str:
+    """Refuse a database that is not a kvplane store this kvplane can read as it is; its
+    revision otherwise."""
     tables = inspect(conn).get_table_names()
     if VERSION_TABLE not in tables:
         if not tables:
@@ -57,7 +59,8 @@ def check_schema(conn: Connection, where: str) -> None:
     revision = revision_of(conn)
     if revision is None:
         raise NotAStore(f"{where} is not a kvplane store (its {VERSION_TABLE} table is empty)")
-    check_revision(revision, where, read_only=True)
+    check_revision(revision)
+    return revision
 
 
 @contextmanager

@@ -51,6 +51,7 @@ class EncodedEvent(TypedDict):
     request: str | None
     instance: str
     payload: dict[str, Any]
+    blocks: int | None  # `block_count(event)`, stored beside the event
     payload_json: NotRequired[str]  # `payload` as JSON text, when made on the fast path
 
 
@@ -86,8 +87,29 @@ def encode_event(event: Event, index: int | None = None) -> EncodedEvent:
         "request": event.request,
         "instance": event.instance,
         "payload": payload,
+        "blocks": block_count(event),
         "payload_json": text,
     }
+
+
+def block_count(event: Event) -> int | None:
+    """How many KV blocks `event` names, None for an event about no blocks: its `blocks`,
+    else `dst_blocks` (a transfer's or registration's destination), else `src_blocks`.
+
+    Stored beside the event (`events.blocks`), so readers count blocks in SQL without parsing
+    payloads. The one place that knows how an event holds its blocks."""
+    cls = type(event)
+    field = _BLOCK_FIELD.get(cls, _UNKNOWN)
+    if field is _UNKNOWN:
+        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else ()
+        field = next((n for n in _BLOCK_FIELDS if n in names), None)
+        _BLOCK_FIELD[cls] = field
+    return None if field is None else len(getattr(event, field))
+
+
+_BLOCK_FIELDS = ("blocks", "dst_blocks", "src_blocks")
+_UNKNOWN = "?"
+_BLOCK_FIELD: dict[type, str | None] = {}
 
 
 def encode_batch(events: Sequence[Event]) -> list[EncodedEvent]:

@@ -14,6 +14,7 @@ Rules kept here:
   `mode=ro`, so a missing file is an error instead of a new, empty database, and nothing
   can be written through it; PostgreSQL sessions start with `default_transaction_read_only`.
   The WAL pragma is not sent (a read-only connection cannot change the journal mode).
+- SQLite statements may carry an index hint (`INDEXED BY`, see `migrate.by_type`).
 - `sqlite://` (in memory) is one connection shared by every thread (else each pooled
   connection would see its own empty database): fine for tests, but do not read from one
   thread while a recorder writes from another; use a file for anything concurrent.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects.sqlite.base import SQLiteCompiler
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.pool import StaticPool
 
@@ -85,9 +87,19 @@ def make_engine(
             sqlite3.connect, uri, uri=True, timeout=_BUSY_TIMEOUT_S, check_same_thread=False
         )
     engine = create_engine(resolved, echo=echo, **kwargs)
+    engine.dialect.statement_compiler = _SQLiteCompiler
     event.listen(engine, "connect", partial(_sqlite_on_connect, read_only=read_only))
     event.listen(engine, "begin", _sqlite_on_begin)
     return engine
+
+
+class _SQLiteCompiler(SQLiteCompiler):
+    """SQLAlchemy's SQLite compiler, rendering a table hint (`select().with_hint(table,
+    "INDEXED BY ix", "sqlite")`) after the table name: SQLite's own way to name the index a
+    query must use, which SQLAlchemy does not render by default (see `migrate.by_type`)."""
+
+    def get_from_hint_text(self, table: Any, text: str | None) -> str | None:
+        return text
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any, *, read_only: bool) -> None:

@@ -9,8 +9,8 @@ Rules kept here:
 - What is wrong with a store as a whole gets its own error, with a message a user can act on
   (the CLI prints it as one line): `StoreMissing`, `StoreUnreadable` (corrupt, truncated, not
   SQLite, unreachable), `NotAStore` (another application's database), `StoreTooNew` (written
-  by a newer kvplane), `StoreOutdated` (older, and opened read-only so it cannot be migrated),
-  `StoreReadOnly` (a write through a store opened read-only).
+  by a newer kvplane), `StoreOutdated` (older, for a caller that needs the newest revision: a
+  read-only open reads older ones as they are), `StoreReadOnly` (a write through a store opened read-only).
 - What is wrong with one run when it is read: `RunTooNew` (recorded under a newer event schema),
   `StoredEventUnreadable` (a payload that is not JSON or does not fit its type; names the run,
   seq and type), `SequenceGap` (seqs missing from a run that should be contiguous).

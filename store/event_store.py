@@ -4,7 +4,8 @@ Rules kept here:
 - `open_store(url)` resolves the URL (see `engine.py`), migrates the database to the newest
   schema and returns an `EventStore`; opening the same database twice changes nothing.
 - `open_store(url, read_only=True)` is for commands that only read: it creates nothing,
-  migrates nothing and writes nothing (a write raises `StoreReadOnly`), and a store that is
+  migrates nothing and writes nothing (a store at an older schema revision is read as it is,
+  correctly but slower; `upgrade_note` says how to migrate it) (a write raises `StoreReadOnly`), and a store that is
   missing, damaged, another application's or from a newer kvplane is refused on open with an
   error saying so (`diagnose.py`); a store damaged further in is reported the same way when a
   read reaches the damage.
@@ -69,7 +70,7 @@ from .errors import (
     StoreReadOnly,
     StoreUnreadable,
 )
-from .migrate import upgrade
+from .migrate import head_revision, upgrade, upgrade_note
 from .schema import RUN_KINDS, RunKind, events_table, runs_table
 
 _STREAM_CHUNK: Final = 2000
@@ -95,9 +96,12 @@ OnGap = Callable[[SequenceGap], None]
 class EventStore:
     """Runs and their events in one database; see the module docstring for the rules."""
 
-    def __init__(self, engine: Engine, *, read_only: bool = False) -> None:
-        """Wrap an engine whose database is already migrated (`open_store` does both)."""
+    def __init__(self, engine: Engine, *, read_only: bool = False,
+                 revision: str | None = None) -> None:
+        """Wrap an engine whose database is already migrated (`open_store` does both), or,
+        read-only, at an older `revision` that is read as it is."""
         self._engine = engine
+        self.revision = revision
         self._writer = engine.execution_options(**{WRITE_LOCK: True})
         self.read_only = read_only
         self._file = sqlite_file(engine.url)
@@ -108,6 +112,11 @@ class EventStore:
     @property
     def engine(self) -> Engine:
         return self._engine
+
+    @property
+    def upgrade_note(self) -> str | None:
+        """For a store read at an older schema revision: that it is slower, how to migrate."""
+        return upgrade_note(self.revision, self._where)
 
     @property
     def url(self) -> str:
@@ -323,9 +332,9 @@ def open_store(
 ) -> EventStore:
     """Open (creating and migrating as needed) the store at `url`, `$KVPLANE_DB` or the default.
 
-    `read_only=True`: open an existing store for reading only, creating and migrating nothing;
-    `StoreMissing`, `StoreUnreadable`, `NotAStore`, `StoreTooNew` or `StoreOutdated` say what
-    is wrong otherwise. `create_missing=True` with it: a missing store is first created empty
+    `read_only=True`: open an existing store for reading only, creating and migrating nothing
+    (an older revision is read as it is: `EventStore.upgrade_note`); `StoreMissing`,
+    `StoreUnreadable`, `NotAStore` or `StoreTooNew` say what is wrong otherwise. `create_missing=True` with it: a missing store is first created empty
     (for a reader that fills it through a writer of its own, such as the dashboard's what-if).
     """
     resolved = resolve_url(url)
@@ -343,13 +352,14 @@ def open_store(
         with reading(where, file):
             if read_only:
                 with engine.connect() as conn:
-                    check_schema(conn, where)
+                    revision: str | None = check_schema(conn, where)
             else:
                 upgrade(engine)
+                revision = head_revision()
     except BaseException:
         engine.dispose()
         raise
-    return EventStore(engine, read_only=read_only)
+    return EventStore(engine, read_only=read_only, revision=revision)
 
 
 def _runs_select() -> Select[Any]:

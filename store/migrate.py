@@ -10,8 +10,12 @@ Rules kept here:
 - Alembic's version table is `schema_meta` (see `schema.VERSION_TABLE`).
 - A database at a revision this kvplane does not know was migrated by a newer kvplane:
   `upgrade` refuses it with `StoreTooNew` before Alembic looks for the revision, and
-  `check_revision` (the read-only open) does the same; an older revision read-only is
-  `StoreOutdated`, since only a writer may migrate.
+  `check_revision` (the read-only open) does the same.
+- An older revision opened read-only is read as it is (a read-only open never writes, so it
+  cannot migrate): every read works on every revision here, only slower on one that lacks what
+  a later revision added (0002: stored block counts and the covering index). `upgrade_note`
+  says so and how to migrate (`kvplane upgrade`); `has_block_counts` tells readers which SQL
+  to use.
 - A new revision is written by hand next to `0001_initial.py` (`revision`, `down_revision`,
   `upgrade()`), together with the model change in `schema.py`; `model_drift(engine)` lists any
   difference between a migrated database and the models, and a test insists it is empty.
@@ -19,6 +23,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Final
 
@@ -27,11 +32,11 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, Select, inspect, text
 
 from .engine import WRITE_LOCK
-from .errors import StoreOutdated, StoreTooNew
-from .schema import VERSION_TABLE, metadata
+from .errors import StoreTooNew
+from .schema import VERSION_TABLE, events_table, metadata
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 
@@ -66,19 +71,60 @@ def revision_of(connection: Connection) -> str | None:
     return context.get_current_revision()
 
 
-def check_revision(revision: str | None, where: str, *, read_only: bool) -> None:
-    """`StoreTooNew` for a revision we do not know; read-only, `StoreOutdated` for an old one."""
-    if revision is None:
-        return
-    if revision not in known_revisions():
+def check_revision(revision: str | None) -> None:
+    """`StoreTooNew` for a revision we do not know (older ones are read as they are)."""
+    if revision is not None and revision not in known_revisions():
         raise StoreTooNew(revision)
+
+
+def upgrade_note(revision: str | None, where: str) -> str | None:
+    """What a reader of a store at an older revision should know, or None when it is current."""
     head = head_revision()
-    if read_only and revision != head:
-        raise StoreOutdated(where, revision, head)
+    if revision is None or revision == head:
+        return None
+    return (f"the store at {where} has the older schema revision {revision} (this kvplane "
+            f"writes {head}): it is read correctly but pages are slower; `kvplane upgrade "
+            f"--db {where}` migrates it (a one-time write)")
 
 
-def upgrade(engine: Engine) -> None:
-    """Migrate the database behind `engine` to the head revision (a no-op when it is there)."""
+def has_block_counts(engine: Engine) -> bool:
+    """Whether the events table has the `blocks` column (revision 0002 on)."""
+    return _has_block_counts(engine)
+
+
+TYPE_INDEX: Final = "ix_events_run_type_cover"
+
+
+def by_type(stmt: Select[Any], engine: Engine) -> Select[Any]:
+    """`stmt`, a read of some event types of some runs, told to find its rows through the
+    (run, type, ...) index on SQLite. Without statistics SQLite's planner prefers the (run,
+    request) index whenever a query groups by request, and then reads every row of the run to
+    look at its type: 30x the rows of a query on four types. (PostgreSQL plans by its own
+    statistics; the hint is rendered for SQLite only.)"""
+    name = TYPE_INDEX if has_block_counts(engine) else "ix_events_run_type"  # before 0002
+    return stmt.with_hint(events_table, f"INDEXED BY {name}", "sqlite")
+
+
+@functools.lru_cache(maxsize=32)
+def _has_block_counts(engine: Engine) -> bool:
+    # Asked once per engine: a store is only ever migrated forwards, so a stale False only
+    # means the slower (still correct) SQL until the reader opens it again.
+    return "blocks" in {c["name"] for c in inspect(engine).get_columns("events")}
+
+
+def upgrade(engine: Engine, to: str = "head") -> None:
+    """Migrate the database behind `engine` to the head revision (a no-op when it is there);
+    `to` an older revision only to make old stores in tests."""
+    _migrate(engine, lambda script, revision: script._upgrade_revs(to, revision))
+
+
+def downgrade(engine: Engine, to: str) -> None:
+    """Migrate back to revision `to` (tests make old stores with it; data of later revisions
+    is dropped)."""
+    _migrate(engine, lambda script, revision: script._downgrade_revs(to, revision))
+
+
+def _migrate(engine: Engine, plan: Any) -> None:
     config = _config()
     script = ScriptDirectory.from_config(config)
     with engine.execution_options(**{WRITE_LOCK: True}).begin() as connection:
@@ -86,13 +132,15 @@ def upgrade(engine: Engine) -> None:
             connection.execute(
                 text("SELECT pg_advisory_xact_lock(:key)"), {"key": _ADVISORY_LOCK_KEY}
             )
-        check_revision(revision_of(connection), str(engine.url), read_only=False)
-        _run_upgrade(config, script, connection)
+        check_revision(revision_of(connection))
+        _run_steps(config, script, connection, plan)
+    _has_block_counts.cache_clear()
 
 
-def _run_upgrade(config: Config, script: ScriptDirectory, connection: Connection) -> None:
+def _run_steps(config: Config, script: ScriptDirectory, connection: Connection,
+               plan: Any) -> None:
     def steps(revision: Any, _context: MigrationContext) -> Any:
-        return script._upgrade_revs("head", revision)
+        return plan(script, revision)
 
     with EnvironmentContext(config, script, fn=steps) as environment:
         environment.configure(

@@ -7,7 +7,9 @@ Rules kept here:
 - `events`: one row per event, keyed by (run, seq); seq is contiguous from 0 within a run, so
   the order of a run is the order of its keys. The common fields (`time` = the event's `at`,
   `type`, `request`, `instance`) are columns, so aggregate SQL needs no JSON; the rest of the
-  event is the `payload` JSON exactly as `kvplane.core.events.encode` produced it.
+  event is the `payload` JSON exactly as `kvplane.core.events.encode` produced it. `blocks` is
+  how many KV blocks the event names (`encoding.block_count`, NULL for none), written with it,
+  so counting blocks needs no JSON either (revision 0002; a store not yet migrated lacks it).
 - The migrations in `migrations/versions` create exactly these tables; a test compares them.
   Change a model only together with a new migration.
 
@@ -85,7 +87,9 @@ class RunRow(Base):
 class EventRow(Base):
     __tablename__ = "events"
     __table_args__ = (
-        Index("ix_events_run_type", "run", "type"),
+        # covering: reads of a run's events by type that need only these columns never
+        # touch the rows (payloads); its first two columns serve every (run, type) lookup
+        Index("ix_events_run_type_cover", "run", "type", "request", "time", "instance", "blocks"),
         Index("ix_events_run_request", "run", "request"),
     )
 
@@ -97,6 +101,7 @@ class EventRow(Base):
     type: Mapped[str] = mapped_column(String(64))
     request: Mapped[str | None] = mapped_column(Text)
     instance: Mapped[str] = mapped_column(Text)
+    blocks: Mapped[int | None] = mapped_column(Integer)
     payload: Mapped[dict[str, Any]] = mapped_column(json_type())
 
 

@@ -47,7 +47,8 @@ def render(url: str, table: pd.DataFrame) -> None:
     if not run_ids:
         st.info("No requests in that choice.")
         return
-    split = common.prefill_split(url, tuple(run_ids))
+    # runs without a reuse decision made no D->P read: their transfers need not be read
+    split = common.prefill_split(url, tuple(run_ids), bool(with_reuse & set(run_ids)))
     if split.empty:
         st.info("No requests in that choice.")
         return

@@ -88,7 +88,9 @@ def copy_live_run(url: str) -> str:
     """Copy the recorded live run into the store at `url`, merged by event time."""
     from kvplane.store import open_store
 
-    with open_store(f"sqlite:///{DATA / 'live_run' / 'live.db'}") as src:
+    # read-only: the bundled file is never written (it stays at the schema revision it was
+    # recorded under, which read-only opens read as it is)
+    with open_store(f"sqlite:///{DATA / 'live_run' / 'live.db'}", read_only=True) as src:
         info = src.run("live-sample")
         events = sorted(src.events(info.id), key=lambda e: e.at)
     with open_store(url) as dst:

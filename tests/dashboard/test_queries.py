@@ -173,3 +173,18 @@ def test_the_same_runs_read_alike_on_postgresql(postgres_url, see_store_master, 
         at.sidebar.radio[0].set_value(page).run()
         assert not at.exception and not at.error, (page, at.exception, at.error)
         assert not at.info, (page, [i.value for i in at.info])
+
+
+def test_reads_by_type_use_the_covering_index_on_sqlite(tmp_path):
+    """Without statistics SQLite would take the (run, request) index for a query grouped by
+    request and read every row of the run; `by_type` names the covering index."""
+    from kvplane.results import request_stmt
+    from kvplane.store import by_type, open_store
+
+    with open_store(f"sqlite:///{tmp_path / 'plan.db'}") as store:
+        stmt = by_type(request_stmt(["r"]), store.engine)
+        sql = str(stmt.compile(store.engine, compile_kwargs={"literal_binds": True}))
+        with store.engine.connect() as conn:
+            plan = " ".join(str(r[-1]) for r in conn.exec_driver_sql(
+                "EXPLAIN QUERY PLAN " + sql))
+    assert "ix_events_run_type_cover" in plan and "ix_events_run_request" not in plan

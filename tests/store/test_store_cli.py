@@ -164,3 +164,30 @@ def test_a_writing_command_on_a_newer_store_is_one_clear_line(
     db, message = damaged("newer", tmp_path)
     code, out, err = kvplane("twin", "latest", "--db", db)
     assert code == 2 and out == "" and one_line(err) == message
+
+
+def test_an_older_store_is_read_as_it_is_and_kvplane_upgrade_migrates_it(
+    kvplane: Kvplane, tmp_path: Path
+) -> None:
+    from kvplane.store import current_revision, head_revision, make_engine, open_store
+    from kvplane.store.migrate import downgrade
+
+    db = tmp_path / "old.db"
+    url = f"sqlite:///{db}"
+    with open_store(url) as store:
+        store.create_run("sim", "kept")
+        downgrade(store.engine, "0001")  # as a kvplane before revision 0002 left it
+    before = db.read_bytes()
+    code, out, err = kvplane("runs", "--db", url)
+    assert code == 0 and "kept" in out
+    assert "revision 0001" in err and f"kvplane upgrade --db {db}" in err
+    assert db.read_bytes() == before  # a read never migrates
+    code, out, _ = kvplane("upgrade", "--db", url)
+    assert code == 0 and f"0001 -> {head_revision()}" in out
+    engine = make_engine(url)
+    assert current_revision(engine) == head_revision()
+    engine.dispose()
+    code, out, err = kvplane("runs", "--db", url)
+    assert code == 0 and "kept" in out and "upgrade" not in err
+    code, out, _ = kvplane("upgrade", "--db", url)
+    assert code == 0 and "already" in out

@@ -24,13 +24,16 @@ from kvplane.store import (
     EventRefused,
     EventStore,
     RunNotFound,
+    block_count,
     current_revision,
     events_table,
+    has_block_counts,
     head_revision,
     model_drift,
     open_store,
     runs_table,
 )
+from kvplane.store.migrate import downgrade
 
 
 def blocks(i: int, *, request: str = "r1", at: float | None = None) -> BlocksReserved:
@@ -285,8 +288,47 @@ def test_migrations_are_idempotent_and_match_the_models(store_url: str) -> None:
         tables = set(inspect(again.engine).get_table_names())
         assert {"runs", "events", "schema_meta"} <= tables
         indexes = {ix["name"] for ix in inspect(again.engine).get_indexes("events")}
-        assert {"ix_events_run_type", "ix_events_run_request"} <= indexes
+        assert {"ix_events_run_type_cover", "ix_events_run_request"} <= indexes
         again.close()
+
+
+def stored_block_counts(store: EventStore, run_id: str) -> list[int | None]:
+    with store.engine.connect() as conn:
+        return list(conn.execute(select(events_table.c.blocks).where(
+            events_table.c.run == run_id).order_by(events_table.c.seq)).scalars())
+
+
+def test_block_counts_are_stored_beside_the_events(store: EventStore) -> None:
+    samples = every_type_samples(per_type=3)
+    run = store.create_run("sim", "counts")
+    store.append(run, samples)
+    counted = stored_block_counts(store, run)
+    assert counted == [block_count(e) for e in samples]
+    # every event type with a block list is counted, and the count is its list's length
+    assert {type(e).__name__ for e, n in zip(samples, counted, strict=True) if n is not None} \
+        == {"BlocksReserved", "BlocksFreed", "RegistrationSent", "RegistrationArrived",
+            "PrefillFinished", "TransferPlanned", "MetadataRelayed", "LeaseGranted"}
+    transfer = next(e for e in samples if isinstance(e, TransferPlanned))
+    assert block_count(transfer) == len(transfer.dst_blocks)
+
+
+def test_an_old_store_is_read_as_it_is_then_upgraded_with_its_counts(store_url: str) -> None:
+    samples = every_type_samples(per_type=3)
+    with open_store(store_url) as first:
+        run = first.create_run("sim", "old")
+        first.append(run, samples)
+        downgrade(first.engine, "0001")  # as a kvplane before revision 0002 left it
+    with open_store(store_url, read_only=True) as old:
+        assert old.revision == "0001" and not has_block_counts(old.engine)
+        assert list(old.events(run)) == samples  # read as it is, nothing written
+        note = old.upgrade_note
+        assert note is not None and "kvplane upgrade" in note and "0001" in note
+        assert current_revision(old.engine) == "0001"
+    with open_store(store_url) as new:  # a writer migrates it, counting the stored blocks
+        assert new.revision == head_revision() and new.upgrade_note is None
+        assert has_block_counts(new.engine) and model_drift(new.engine) == []
+        assert stored_block_counts(new, run) == [block_count(e) for e in samples]
+        assert list(new.events(run)) == samples
 
 
 def test_concurrent_first_opens_migrate_once(store_url: str) -> None:
