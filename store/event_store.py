@@ -32,6 +32,7 @@ The read side for dashboards is `EventStore.engine` plus `schema.runs_table` and
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -70,7 +71,7 @@ from .errors import (
     StoreReadOnly,
     StoreUnreadable,
 )
-from .migrate import head_revision, upgrade, upgrade_note
+from .migrate import head_revision, revision_of, upgrade, upgrade_note
 from .schema import RUN_KINDS, RunKind, events_table, runs_table
 
 _STREAM_CHUNK: Final = 2000
@@ -354,12 +355,24 @@ def open_store(
                 with engine.connect() as conn:
                     revision: str | None = check_schema(conn, where)
             else:
+                _say_when_migrating(engine, where)
                 upgrade(engine)
                 revision = head_revision()
     except BaseException:
         engine.dispose()
         raise
     return EventStore(engine, read_only=read_only, revision=revision)
+
+
+def _say_when_migrating(engine: Engine, where: str) -> None:
+    """A store written by an older kvplane is migrated by the first writer that opens it:
+    on a store of millions of events that takes minutes, so say so on stderr first."""
+    with engine.connect() as conn:
+        old = revision_of(conn)
+    if old is not None and old != head_revision():
+        print(f"kvplane: upgrading the store {where} from revision {old} to "
+              f"{head_revision()} (once; minutes for a store of millions of events)",
+              file=sys.stderr, flush=True)
 
 
 def _runs_select() -> Select[Any]:

@@ -191,3 +191,23 @@ def test_an_older_store_is_read_as_it_is_and_kvplane_upgrade_migrates_it(
     assert code == 0 and "kept" in out and "upgrade" not in err
     code, out, _ = kvplane("upgrade", "--db", url)
     assert code == 0 and "already" in out
+
+
+def test_a_writer_that_migrates_an_older_store_says_so_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvplane.store import head_revision, open_store
+    from kvplane.store.migrate import downgrade
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    with open_store(url) as store:
+        store.create_run("sim", "kept")
+        downgrade(store.engine, "0001")
+    capsys.readouterr()
+    with open_store(url) as store:  # a writer: migrates, and says so on stderr
+        assert [r.scenario for r in store.runs()] == ["kept"]
+    err = capsys.readouterr().err
+    assert f"from revision 0001 to {head_revision()}" in err
+    with open_store(url):  # already at the head: nothing to say
+        pass
+    assert capsys.readouterr().err == ""
