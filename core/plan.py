@@ -13,6 +13,8 @@ Rules kept here:
   lowest producer rank holding it. Each (producer, consumer) pair with heads in common is one
   stream, and each stream ends with one completion notification: a consumer rank has received
   the KV when every producer rank writing to it has notified.
+- Each stream names where its heads start among each side's own heads (`src_head`,
+  `dst_head`), so a worker finds them inside its blocks.
 - Descriptors: one per run, per layer, for K and V, per stream; when the two sides' TP sizes
   differ a stream moves a slice of the producer's heads, and each head of the slice becomes its
   own descriptor (head-major layout), as heterogeneous-TP transfers do in practice.
@@ -94,6 +96,8 @@ class Stream:
     src_rank: int
     dst_rank: int
     heads: int  # KV heads this stream moves
+    src_head: int = 0  # the first of them, counted among the producer rank's own heads
+    dst_head: int = 0  # ... and among the consumer rank's own heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,10 +185,17 @@ def fan_out(src: KVLayout, dst: KVLayout) -> tuple[Stream, ...]:
             owner.setdefault(h, r)
     streams: list[Stream] = []
     for d in range(dst.tp):
+        # heads of a rank are consecutive and owners never decrease with the head, so each
+        # producer's share of a consumer rank is one consecutive slice
+        first: dict[int, int] = {}
         count: dict[int, int] = {}
         for h in dst.heads_of(d):
+            first.setdefault(owner[h], h)
             count[owner[h]] = count.get(owner[h], 0) + 1
-        streams.extend(Stream(s, d, k) for s, k in sorted(count.items()))
+        streams.extend(
+            Stream(s, d, k, first[s] - src.heads_of(s).start, first[s] - dst.heads_of(d).start)
+            for s, k in sorted(count.items())
+        )
     return tuple(streams)
 
 

@@ -67,6 +67,14 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Any:
                     head_bytes=int(spec.head_size) * int(spec.dtype.itemsize))
 
 
+def rank_heads(vllm_config: Any) -> int:
+    """KV heads in one worker's cache: its share of the model's (MLA: its one latent)."""
+    mc = vllm_config.model_config
+    if bool(getattr(mc, "use_mla", False)):
+        return 1
+    return int(mc.get_num_kv_heads(vllm_config.parallel_config))
+
+
 def share_vllm_logging() -> None:
     """Give the `kvplane` logger vLLM's handlers (it has none of its own; without this its INFO
     lines go nowhere)."""
@@ -247,7 +255,8 @@ def _build() -> dict[str, Any]:
                 self.worker = WorkerHalf(
                     self.cfg.instance, rank, progress_thread=self.cfg.progress_thread,
                     post_to=(self.cfg.side_channel_host, self.cfg.side_channel_port),
-                    backend=backend)
+                    backend=backend, block_size=int(vllm_config.cache_config.block_size),
+                    heads=rank_heads(vllm_config))
 
         # ---- scheduler side ----------------------------------------------------------------
 

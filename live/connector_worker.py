@@ -59,12 +59,29 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """How block ids map to bytes on one rank: region i is layer i's cache."""
+    """How token slots map to bytes on one rank: region i is layer i's cache.
+
+    Inside a block (head-major layouts, known when `block_size` > 0): `planes` parts (K and V
+    apart: 2; K and V side by side per token, or MLA's one latent: 1) of `heads` heads of
+    `block_size` tokens of `token_bytes` each. Token slot `t` of head `h` in plane `p` of layer
+    `l` is at `start[l] + (t // block_size) * block_stride + p * plane_stride +
+    h * head_stride + (t % block_size) * token_bytes`, and a run of tokens inside one block is
+    one run of bytes."""
 
     region_sizes: tuple[int, ...]
     block_stride: int
     block_bytes: int
     num_blocks: int
+    block_size: int = 0  # tokens per block of the cache tensor (vLLM's kernel block)
+    heads: int = 0  # KV heads on this rank (0: the inside of a block is unknown)
+    planes: int = 1
+    plane_stride: int = 0
+    head_stride: int = 0
+    token_bytes: int = 0
+
+    @property
+    def known_inside(self) -> bool:
+        return self.block_size > 0 and self.heads > 0 and self.token_bytes > 0
 
     def starts(self) -> list[int]:
         out, pos = [], 0
@@ -73,14 +90,28 @@ class Geometry:
             pos += n
         return out
 
+    def granule(self) -> int:
+        """The largest size every offset and length of a transfer is a multiple of."""
+        g = math.gcd(self.block_stride, self.block_bytes)
+        if self.known_inside:
+            g = math.gcd(g, math.gcd(self.token_bytes, math.gcd(self.head_stride,
+                                                                self.plane_stride)))
+        return g or 1
+
     def to_dict(self) -> dict[str, Any]:
         return {"region_sizes": list(self.region_sizes), "block_stride": self.block_stride,
-                "block_bytes": self.block_bytes, "num_blocks": self.num_blocks}
+                "block_bytes": self.block_bytes, "num_blocks": self.num_blocks,
+                "block_size": self.block_size, "heads": self.heads, "planes": self.planes,
+                "plane_stride": self.plane_stride, "head_stride": self.head_stride,
+                "token_bytes": self.token_bytes}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Geometry:
         return cls(tuple(int(x) for x in d["region_sizes"]), int(d["block_stride"]),
-                   int(d["block_bytes"]), int(d["num_blocks"]))
+                   int(d["block_bytes"]), int(d["num_blocks"]), int(d.get("block_size", 0)),
+                   int(d.get("heads", 0)), int(d.get("planes", 1)),
+                   int(d.get("plane_stride", 0)), int(d.get("head_stride", 0)),
+                   int(d.get("token_bytes", 0)))
 
 
 def encode_rank_payload(info: bytes, geometry: Geometry) -> bytes:
@@ -93,31 +124,96 @@ def decode_rank_payload(data: bytes) -> tuple[bytes, Geometry]:
     return base64.b64decode(d["info"]), Geometry.from_dict(d["geometry"])
 
 
+Heads = tuple[int, int, int]  # (first head on the source rank, on the destination rank, count)
+
+
 def byte_runs(runs: Iterable[tuple[int, int, int]], local: Geometry, remote: Geometry,
-              local_is_src: bool) -> list[tuple[int, int, int]]:
-    """Block runs `(src, dst, count)` as byte runs `(local, remote, length)`, layer by layer."""
+              local_is_src: bool, heads: Heads | None = None) -> list[tuple[int, int, int]]:
+    """Token-slot runs `(src_slot, dst_slot, tokens)` as byte runs `(local, remote, length)`,
+    layer by layer; `heads` picks a slice of the heads (tensor parallelism of unequal sizes),
+    None: all of them (both sides hold the same heads).
+
+    Whole blocks move as one run each (merged while adjacent on both sides) when both sides
+    have one block geometry and all heads move; otherwise each (plane, head, piece of a run
+    inside one block on both sides) is a run, merged with the previous one while both sides
+    stay contiguous."""
     if len(local.region_sizes) != len(remote.region_sizes):
         raise ValueError(f"layer count differs: ours {len(local.region_sizes)}, peer's "
                          f"{len(remote.region_sizes)}")
-    if local.block_bytes != remote.block_bytes:
-        raise ValueError(f"block bytes differ: ours {local.block_bytes}, peer's "
-                         f"{remote.block_bytes}")
-    out = []
-    ls, rs = local.starts(), remote.starts()
+    src, dst = (local, remote) if local_is_src else (remote, local)
     runs = list(runs)
-    for layer in range(len(ls)):
-        for src, dst, count in runs:
-            lb, rb = (src, dst) if local_is_src else (dst, src)
-            if lb + count > local.num_blocks or rb + count > remote.num_blocks:
-                raise ValueError(f"block run {(src, dst, count)} is past the cache")
-            if local.block_stride == local.block_bytes and remote.block_stride == \
-                    remote.block_bytes:
-                out.append((ls[layer] + lb * local.block_stride,
-                            rs[layer] + rb * remote.block_stride, count * local.block_bytes))
+    if heads is None:
+        if src.heads != dst.heads:
+            raise ValueError(f"ranks hold {src.heads} and {dst.heads} heads: a head slice is "
+                             "needed")
+        heads = (0, 0, src.heads)
+    whole = (heads[0] == heads[1] == 0 and heads[2] == src.heads == dst.heads
+             and src.block_size == dst.block_size and src.block_bytes == dst.block_bytes)
+    bs = src.block_size or 1
+    if whole and all(s % bs == 0 and d % bs == 0 for s, d, _ in runs):
+        out = _whole_blocks(runs, src, dst, bs)
+    else:
+        out = _fine(runs, src, dst, heads)
+    return out if local_is_src else [(d, s, n) for s, d, n in out]
+
+
+def _whole_blocks(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
+                  bs: int) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    ss, ds = src.starts(), dst.starts()
+    for layer in range(len(ss)):
+        for s_slot, d_slot, tokens in runs:
+            sb, db, count = s_slot // bs, d_slot // bs, -(-tokens // bs)
+            if sb + count > src.num_blocks or db + count > dst.num_blocks:
+                raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the cache")
+            if src.block_stride == src.block_bytes and dst.block_stride == dst.block_bytes:
+                out.append((ss[layer] + sb * src.block_stride, ds[layer] + db * dst.block_stride,
+                            count * src.block_bytes))
             else:
-                out += [(ls[layer] + (lb + i) * local.block_stride,
-                         rs[layer] + (rb + i) * remote.block_stride, local.block_bytes)
+                out += [(ss[layer] + (sb + i) * src.block_stride,
+                         ds[layer] + (db + i) * dst.block_stride, src.block_bytes)
                         for i in range(count)]
+    return out
+
+
+def _fine(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
+          heads: Heads) -> list[tuple[int, int, int]]:
+    for g, side in ((src, "source"), (dst, "destination")):
+        if not g.known_inside:
+            raise ValueError(f"the {side}'s KV cache layout is not head-major (HND), so a "
+                             "part of a block (a head slice or a token range) cannot be "
+                             "addressed; both sides need vLLM's HND layout")
+    if (src.planes, src.token_bytes) != (dst.planes, dst.token_bytes):
+        raise ValueError(f"one token of one head is {src.planes} x {src.token_bytes} bytes on "
+                         f"the source, {dst.planes} x {dst.token_bytes} on the destination")
+    h_src, h_dst, count = heads
+    if h_src + count > src.heads or h_dst + count > dst.heads or count <= 0:
+        raise ValueError(f"head slice {heads} does not fit {src.heads} / {dst.heads} heads")
+    out: list[tuple[int, int, int]] = []
+    ss, ds = src.starts(), dst.starts()
+    sbs, dbs, tb = src.block_size, dst.block_size, src.token_bytes
+    for layer in range(len(ss)):
+        for plane in range(src.planes):
+            for h in range(count):
+                s_base = ss[layer] + plane * src.plane_stride + (h_src + h) * src.head_stride
+                d_base = ds[layer] + plane * dst.plane_stride + (h_dst + h) * dst.head_stride
+                for s_slot, d_slot, tokens in runs:
+                    if (s_slot + tokens - 1) // sbs >= src.num_blocks or \
+                            (d_slot + tokens - 1) // dbs >= dst.num_blocks:
+                        raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the "
+                                         "cache")
+                    t = 0
+                    while t < tokens:
+                        s, d = s_slot + t, d_slot + t
+                        n = min(sbs - s % sbs, dbs - d % dbs, tokens - t)
+                        so = s_base + (s // sbs) * src.block_stride + (s % sbs) * tb
+                        do = d_base + (d // dbs) * dst.block_stride + (d % dbs) * tb
+                        if out and out[-1][0] + out[-1][2] == so and out[-1][1] + out[-1][2] == do:
+                            last = out[-1]
+                            out[-1] = (last[0], last[1], last[2] + n * tb)
+                        else:
+                            out.append((so, do, n * tb))
+                        t += n
     return out
 
 
@@ -131,6 +227,8 @@ class CacheRegion:
     block_stride: int  # bytes from one block to the next
     block_bytes: int  # bytes of one block (all its K/V, heads and tokens)
     dtype: str
+    inside: tuple[int, int, int, int, int, int] = (0, 0, 1, 0, 0, 0)
+    # (block_size, heads, planes, plane_stride, head_stride, token_bytes); see Geometry
 
     @property
     def nbytes(self) -> int:
@@ -149,11 +247,42 @@ def _dense_inner(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return True
 
 
-def cache_region(name: str, t: Any) -> CacheRegion:
+def block_inside(shape: tuple[int, ...], strides: tuple[int, ...], elt: int, block_size: int,
+                 heads: int) -> tuple[int, int, int, int, int, int]:
+    """(block_size, heads, planes, plane_stride, head_stride, token_bytes) of a block-major
+    cache tensor (strides in elements), read from its memory order: innermost one token's
+    channels, then the tokens of the block, then the heads, then the planes (K/V apart).
+    `block_size` and `heads` are what vLLM says this rank has; the tensor's block may be a
+    divisor of `block_size` (a smaller kernel block). All zeros when the layout is not
+    head-major: then only whole blocks can move."""
+    unknown = (0, 0, 1, 0, 0, 0)
+    dims = sorted(((st, sz) for st, sz in zip(strides[1:], shape[1:]) if sz != 1),
+                  reverse=True)  # outermost first
+    if len(dims) < 2 or block_size <= 0 or heads <= 0:
+        return unknown
+    (tok_st, tok_sz), (c_st, c_sz) = dims[-2], dims[-1]
+    if c_st != 1 or tok_st != c_sz or block_size % tok_sz:
+        return unknown
+    rest = dims[:-2]
+    head_st = tok_st * tok_sz
+    if heads > 1:
+        if not rest or rest[-1][1] != heads:
+            return unknown
+        head_st = rest[-1][0]
+        rest = rest[:-1]
+    if len(rest) > 1:
+        return unknown
+    planes, plane_st = (rest[0][1], rest[0][0]) if rest else (1, 0)
+    return (tok_sz, heads, planes, plane_st * elt, head_st * elt, c_sz * elt)
+
+
+def cache_region(name: str, t: Any, block_size: int = 0, heads: int = 0) -> CacheRegion:
     """One layer's cache tensor as a region: blocks must be the outermost dimension and each
     block one dense run of bytes (any order inside it: vLLM's NHD or HND, K and V together or
     MLA's single latent, any dtype including FP8). vLLM hands permuted views for HND; the
-    region is the memory under the view, so it is registered as a flat alias of it."""
+    region is the memory under the view, so it is registered as a flat alias of it. With
+    `block_size` and `heads` (this rank's), a head-major block's inside is read too, so that
+    parts of blocks can move (`block_inside`)."""
     import torch
 
     shape, strides = tuple(int(x) for x in t.shape), tuple(int(x) for x in t.stride())
@@ -169,10 +298,12 @@ def cache_region(name: str, t: Any) -> CacheRegion:
     span = strides[0] * (num_blocks - 1) + block_elems
     flat = torch.as_strided(t, (span,), (1,))
     return CacheRegion(name, flat, num_blocks, strides[0] * elt, block_elems * elt,
-                       str(t.dtype).replace("torch.", ""))
+                       str(t.dtype).replace("torch.", ""),
+                       block_inside(shape, strides, elt, block_size, heads))
 
 
-def cache_regions(kv_caches: dict[str, Any]) -> list[CacheRegion]:
+def cache_regions(kv_caches: dict[str, Any], block_size: int = 0,
+                  heads: int = 0) -> list[CacheRegion]:
     """Every layer's region in layer order, a layer sharing another's cache counted once; all
     layers must agree on block count and geometry (one KV cache group)."""
     seen: set[int] = set()
@@ -186,19 +317,29 @@ def cache_regions(kv_caches: dict[str, Any]) -> list[CacheRegion]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        out.append(cache_region(name, t))
+        out.append(cache_region(name, t, block_size, heads))
     if not out:
         raise ValueError("vLLM registered no KV cache tensors")
     first = out[0]
     for r in out[1:]:
-        if (r.num_blocks, r.block_stride, r.block_bytes) != (
-                first.num_blocks, first.block_stride, first.block_bytes):
+        if (r.num_blocks, r.block_stride, r.block_bytes, r.inside) != (
+                first.num_blocks, first.block_stride, first.block_bytes, first.inside):
             raise ValueError(
                 f"KV cache of {r.name} ({r.num_blocks} blocks of {r.block_bytes} bytes, "
                 f"stride {r.block_stride}) differs from {first.name}'s ({first.num_blocks}, "
                 f"{first.block_bytes}, {first.block_stride}): layers of several KV cache "
                 "groups or sizes are not supported")
     return out
+
+
+def geometry_of(regions: list[CacheRegion], block_size: int) -> Geometry:
+    """The rank's geometry from its regions (`cache_regions`); `block_size` (vLLM's) stands
+    for the tensor's block when its inside is unknown."""
+    first = regions[0]
+    kbs, heads, planes, plane_stride, head_stride, token_bytes = first.inside
+    return Geometry(tuple(r.nbytes for r in regions), first.block_stride, first.block_bytes,
+                    first.num_blocks, kbs or block_size, heads, planes, plane_stride,
+                    head_stride, token_bytes)
 
 
 def _layer_index(name: str) -> tuple[int, ...]:
@@ -243,10 +384,11 @@ class TransferThread:
         self.orders: queue.SimpleQueue[Order] = queue.SimpleQueue()
         self.facts: collections.deque[Fact] = collections.deque()
         self.stats: collections.deque[tuple[str, bool, int, int, float]] = collections.deque()
-        self._peers: dict[tuple[str, int], tuple[str, Geometry]] = {}
+        # a peer is one rank of another instance: (host, port, rank)
+        self._peers: dict[tuple[str, int, int], tuple[str, Geometry]] = {}
         # handshakes being fetched off this thread, and the orders waiting for them
-        self._fetching: dict[tuple[str, int], cf.Future[bytes]] = {}
-        self._waiting: dict[tuple[str, int], list[Order]] = {}
+        self._fetching: dict[tuple[str, int, int], cf.Future[bytes]] = {}
+        self._waiting: dict[tuple[str, int, int], list[Order]] = {}
         self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="kvplane-handshake")
         self._pinning: list[tuple[cf.Future[bytes], Order]] = []
         self._inflight: list[_InFlight] = []
@@ -304,7 +446,8 @@ class TransferThread:
 
     def _fact(self, order: Order, kind: str, ok: bool, reason: str = "", **kw: Any) -> None:
         self.emit(Fact(kind, order.xfer, order.attempt, time.time(), ok=ok,  # type: ignore[arg-type]
-                       reason=reason, purpose=order.purpose, rank=self.rank, **kw))
+                       reason=reason, purpose=order.purpose, rank=self.rank,
+                       peer_rank=order.peer_rank, **kw))
 
     def _handshakes(self) -> bool:
         """Orders waiting for a handshake: failed past their deadline, started once it came."""
@@ -338,13 +481,13 @@ class TransferThread:
                                False, f"handshake with {o.peer.instance} failed: {exc}")
                 continue
             self._peers[key] = (name, geom)
-            logger.info("kvplane: connected to %s:%d as NIXL peer %s", key[0], key[1], name)
+            logger.info("kvplane: connected to %s:%d rank %d as NIXL peer %s", *key, name)
             for o in orders:
                 self._start(o)
         return busy
 
-    def _forget_peer(self, ep: Endpoint) -> None:
-        self._peers.pop((ep.host, ep.port), None)
+    def _forget_peer(self, ep: Endpoint, rank: int) -> None:
+        self._peers.pop((ep.host, ep.port, rank), None)
 
     def _pins(self) -> bool:
         """READs waiting for their pin: posted once pinned, failed if refused."""
@@ -366,15 +509,22 @@ class TransferThread:
         self._pinning = still
         return busy
 
+    def _pin_body(self, order: Order) -> dict[str, Any]:
+        """The order's pin request, its reader named per rank: each rank's READ pins the
+        source's lease on its own, so one rank's unpin never ends another's pin."""
+        body: dict[str, Any] = json.loads(order.pin)
+        body["reader"] = f"{body.get('reader', '')}@{self.rank}"
+        return body
+
     def _ask_pin(self, order: Order) -> bytes:
-        body = json.loads(order.pin)
+        body = self._pin_body(order)
         body["duration"] = max(0.0, order.deadline - time.time()) if order.deadline else 1.0
         return fetch(order.peer.host, order.peer.port, "pin/" + json.dumps(body))
 
     def _unpin(self, order: Order) -> None:
         def go() -> None:
             try:
-                fetch(order.peer.host, order.peer.port, "unpin/" + order.pin)
+                fetch(order.peer.host, order.peer.port, "unpin/" + json.dumps(self._pin_body(order)))
             except Exception as exc:  # noqa: BLE001 - the pin then ends with the lease
                 logger.warning("kvplane: unpin after the READ of %s failed: %s", order.xfer, exc)
 
@@ -385,13 +535,13 @@ class TransferThread:
         if order.deadline and time.time() > order.deadline:
             self._fact(order, done, False, "deadline passed before the transfer started")
             return
-        key = (order.peer.host, order.peer.port)
+        key = (order.peer.host, order.peer.port, order.peer_rank)
         if key not in self._peers:
             # fetched off this thread; the order waits for it (see _handshakes)
             self._waiting.setdefault(key, []).append(order)
             if key not in self._fetching:
                 self._fetching[key] = self._pool.submit(fetch, key[0], key[1],
-                                                        rank_key(self.rank))
+                                                        rank_key(order.peer_rank))
             return
         peer, geom = self._peers[key]
         if order.kind == "read" and order.pin and not pinned:
@@ -400,11 +550,12 @@ class TransferThread:
         if order.kind == "notify":
             res = self.transport.send_notification(peer, order.notify)
             if not res.ok:
-                self._forget_peer(order.peer)
+                self._forget_peer(order.peer, order.peer_rank)
             self._fact(order, done, res.ok, res.reason)
             return
         try:
-            runs = byte_runs(order.runs, self.geometry, geom, local_is_src=order.kind == "write")
+            runs = byte_runs(order.runs, self.geometry, geom, local_is_src=order.kind == "write",
+                             heads=order.heads or None)
         except ValueError as exc:
             self._fact(order, done, False, f"cannot map blocks: {exc}")
             return
@@ -447,7 +598,7 @@ class TransferThread:
                 logger.warning("kvplane: read of %s done but telling %s failed: %s",
                                order.xfer, order.peer.instance, sent.reason)
         if not ok:
-            self._forget_peer(order.peer)
+            self._forget_peer(order.peer, order.peer_rank)
             logger.warning("kvplane: %s of %s %s %s: %s", order.kind.upper(), order.xfer,
                            "to" if order.kind == "write" else "from", order.peer.instance,
                            reason)
@@ -479,8 +630,11 @@ class WorkerHalf:
     """The worker-side logic, driven by the facade; vLLM-free apart from the tensors it gets."""
 
     def __init__(self, instance: str, rank: int, *, progress_thread: bool = False,
-                 post_to: tuple[str, int] | None = None, backend: str = "UCX") -> None:
+                 post_to: tuple[str, int] | None = None, backend: str = "UCX",
+                 block_size: int = 0, heads: int = 0) -> None:
         self.instance = instance
+        self.block_size = block_size  # vLLM's block size (tokens)
+        self.heads = heads  # KV heads on this rank (MLA: 1)
         self.backend = backend
         self.post_to = post_to
         self.rank = rank
@@ -495,20 +649,22 @@ class WorkerHalf:
         from kvplane.live.staging import staging_for
         from kvplane.live.transport import Transport
 
-        regions = cache_regions(kv_caches)
+        regions = cache_regions(kv_caches, self.block_size, self.heads)
         first = regions[0]
+        self.geometry = geometry_of(regions, self.block_size)
+        kbs, heads, planes, _, _, token_bytes = first.inside
         self.transport = Transport(f"{self.instance}-rank{self.rank}-{time.time_ns() % 10**9}",
-                                   granule=math.gcd(first.block_stride, first.block_bytes),
+                                   granule=self.geometry.granule(),
                                    progress_thread=self.progress_thread, backend=self.backend,
                                    staging=staging_for(first.flat))
         for r in regions:
             self.transport.register(r.flat)
-        self.geometry = Geometry(tuple(r.nbytes for r in regions), first.block_stride,
-                                 first.block_bytes, first.num_blocks)
         logger.info("kvplane %s rank %d: registered %d layers x %d blocks of %d bytes "
-                    "(stride %d, %s) with NIXL %s", self.instance, self.rank, len(regions),
-                    first.num_blocks, first.block_bytes, first.block_stride, first.dtype,
-                    self.backend)
+                    "(stride %d, %s) with NIXL %s; inside a block: %s", self.instance,
+                    self.rank, len(regions), first.num_blocks, first.block_bytes,
+                    first.block_stride, first.dtype, self.backend,
+                    f"{planes} x {heads} heads x {kbs} tokens x {token_bytes} bytes"
+                    if heads else "not head-major (whole blocks only)")
         sender = FactSender(*self.post_to) if self.post_to else None
         self.thread = TransferThread(self.transport, self.geometry, self.rank, self.instance,
                                      sender)
@@ -527,7 +683,8 @@ class WorkerHalf:
             return
         if self.thread is not None:
             for order in meta.orders:
-                self.thread.orders.put(order)
+                if order.rank == self.rank:  # every rank sees every order; each does its own
+                    self.thread.orders.put(order)
         r = self._reports
         r.finished_sending |= meta.finished_sending
         r.finished_recving |= meta.finished_recving

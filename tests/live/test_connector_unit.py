@@ -373,7 +373,9 @@ def test_duplicate_prefill_legs_hold_once() -> None:
 
 
 def read_runs(meta: KvplaneMeta) -> list[tuple[int, int, int]]:
-    return [r for o in meta.orders for r in o.runs]
+    """The orders' token-slot runs as (src block, dst block, blocks)."""
+    bs = LAYOUT.block_size
+    return [(s // bs, d // bs, -(-n // bs)) for o in meta.orders for s, d, n in o.runs]
 
 
 def test_decode_with_a_local_prefix_hit_loads_only_the_rest() -> None:
