@@ -64,7 +64,8 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Any:
     return KVLayout(block_size=int(spec.block_size),
                     tp=int(vllm_config.parallel_config.tensor_parallel_size),
                     num_layers=num_layers, num_kv_heads=heads,
-                    head_bytes=int(spec.head_size) * int(spec.dtype.itemsize))
+                    head_bytes=int(spec.head_size) * int(spec.dtype.itemsize),
+                    planes=1 if mla else 2)
 
 
 def rank_heads(vllm_config: Any) -> int:

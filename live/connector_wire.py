@@ -62,13 +62,14 @@ class Endpoint:
 
 def layout_to_dict(layout: KVLayout) -> dict[str, int]:
     return {"block_size": layout.block_size, "tp": layout.tp, "num_layers": layout.num_layers,
-            "num_kv_heads": layout.num_kv_heads, "head_bytes": layout.head_bytes}
+            "num_kv_heads": layout.num_kv_heads, "head_bytes": layout.head_bytes,
+            "planes": layout.planes}
 
 
 def layout_from_dict(d: Any) -> KVLayout:
     try:
         return KVLayout(int(d["block_size"]), int(d["tp"]), int(d["num_layers"]),
-                        int(d["num_kv_heads"]), int(d["head_bytes"]))
+                        int(d["num_kv_heads"]), int(d["head_bytes"]), int(d.get("planes", 2)))
     except (KeyError, TypeError, ValueError) as exc:
         raise PeerError(f"bad KV layout {d!r}: {exc}") from exc
 

@@ -146,8 +146,8 @@ def move(src: Side, dst: Side, src_blocks: tuple[int, ...], dst_blocks: tuple[in
         whole = st.heads == len(src.layout.heads_of(st.src_rank)) == len(
             dst.layout.heads_of(st.dst_rank))
         heads = None if whole else (st.src_head, st.dst_head, st.heads)
-        s_caches, s_geom, s_tr = src.ranks[st.src_rank]
-        d_caches, d_geom, d_tr = dst.ranks[st.dst_rank]
+        _, s_geom, s_tr = src.ranks[st.src_rank]
+        _, d_geom, d_tr = dst.ranks[st.dst_rank]
         if op == "READ":
             me, geom_me, geom_peer, peer_tr, is_src = d_tr, d_geom, s_geom, s_tr, False
         else:
