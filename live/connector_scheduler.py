@@ -118,6 +118,7 @@ class Req:
     preemptions: int = 0
     local_hit: int = 0  # tokens vLLM had in its own prefix cache when the request was matched
     shared: list[int] = field(default_factory=list)  # decode: blocks of that hit (never written)
+    src_layout: KVLayout | None = None  # decode: the producer layout its wait counts streams of
     # vLLM's view: "running", "waiting_kv" (async load in flight), "finished_waiting_kv"
     # (finished while a load was in flight), "delay_send" (finished, blocks kept for us), "done"
     vllm: str = "running"
@@ -579,6 +580,7 @@ class SchedulerHalf:
         body = {"xfer": ev.request, "attempt": ev.attempt, "decode": self.me.to_dict(),
                 "blocks": list(req.shared) + list(ev.dst_blocks), "skip": len(req.shared),
                 "num_tokens": ev.num_tokens, "layout": layout_to_dict(self.layout),
+                "src_layout": layout_to_dict(req.src_layout or self.layout),
                 "deadline": ev.deadline}
         self.pending.orders.append(Order("notify", ev.request or "", ev.attempt, req.leg.source,
                                          notify=self._notif("REG", body),
@@ -766,7 +768,10 @@ class SchedulerHalf:
             try:
                 if req.request.kv_transfer_params is not None:
                     req.request.kv_transfer_params["do_remote_prefill"] = False
-                src_layout = leg.pull.layout if leg.pull else self.layout
+                # push: prefill's layout from the leg (the router adds it), else assumed ours;
+                # the registration says which, and a prefill of another TP refuses it
+                src_layout = leg.pull.layout if leg.pull else (leg.source_layout or self.layout)
+                req.src_layout = src_layout
                 cmd = dcore.ExpectKV(
                     xfer, req.attempt, leg.source.instance, dst, external, src_layout,
                     mode=leg.mode, src_blocks=window.src(leg.pull.blocks) if leg.pull else (),
@@ -1014,6 +1019,17 @@ class SchedulerHalf:
                     raise PeerError(f"skip {skip} does not fit {len(blocks)} blocks")
                 self.decode_of.setdefault((xfer, attempt), peer)
                 self.skip_of.setdefault((xfer, attempt), skip)
+                assumed = body.get("src_layout")
+                if assumed is not None and layout_from_dict(assumed).tp != self.layout.tp:
+                    # decode counts one DONE per stream of the layout it assumed: it would
+                    # call the KV complete before all of ours landed. Never WRITE then.
+                    reason = (f"decode expects a prefill of TP {layout_from_dict(assumed).tp}, "
+                              f"this one has TP {self.layout.tp}: the decode leg's source "
+                              "must carry prefill's layout (the router adds it)")
+                    self.fault("registration refused", PeerError(reason), request=xfer,
+                               attempt=attempt, at=now)
+                    self._tell_decode_failed(xfer, attempt, reason)
+                    return
                 cmd = pcore.Register(xfer, attempt, peer.instance, blocks,
                                      layout_from_dict(body["layout"]),
                                      None if deadline is None else float(deadline))

