@@ -257,7 +257,8 @@ def _build() -> dict[str, Any]:
                     self.cfg.instance, rank, progress_thread=self.cfg.progress_thread,
                     post_to=(self.cfg.side_channel_host, self.cfg.side_channel_port),
                     backend=backend, block_size=int(vllm_config.cache_config.block_size),
-                    heads=rank_heads(vllm_config))
+                    heads=rank_heads(vllm_config),
+                    head_size=int(vllm_config.model_config.get_head_size()))
 
         # ---- scheduler side ----------------------------------------------------------------
 

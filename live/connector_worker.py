@@ -57,31 +57,45 @@ from kvplane.live.sidechannel import FactSender, fetch, rank_key
 logger = logging.getLogger(__name__)
 
 
+Plane = tuple[int, int, int, int]  # (offset in the block, lines, line stride, token stride)
+
+
 @dataclass(frozen=True, slots=True)
 class Geometry:
     """How token slots map to bytes on one rank: region i is layer i's cache.
 
-    Inside a block (head-major layouts, known when `block_size` > 0): `planes` parts (K and V
-    apart: 2; K and V side by side per token, or MLA's one latent: 1) of `heads` heads of
-    `block_size` tokens of `token_bytes` each. Token slot `t` of head `h` in plane `p` of layer
-    `l` is at `start[l] + (t // block_size) * block_stride + p * plane_stride +
-    h * head_stride + (t % block_size) * token_bytes`, and a run of tokens inside one block is
-    one run of bytes."""
+    Inside a block, when known: `heads` heads `head_stride` apart, and per head the `planes`
+    (K and V, or MLA's one latent) as `(offset, lines, line_stride, token_stride)`: token `t`
+    of line `i` of plane `p` of head `h` of block `b` in layer `l` is at `start[l] +
+    b * block_stride + h * head_stride + offset_p + i * line_stride_p + t * token_stride_p`,
+    and a run of tokens inside one line is one run of bytes. A token-major plane (FlashAttention
+    HND, MLA, the CPU backend's V) is one line of `block_size` tokens; a channel-major plane (the
+    CPU backend's K, stored transposed by its kernel) has a line per channel.
+    `heads` 0: nothing is known inside a block (only whole blocks move); `planes` empty: the
+    heads are known but not the tokens inside them (whole head slices of whole blocks move)."""
 
     region_sizes: tuple[int, ...]
     block_stride: int
     block_bytes: int
     num_blocks: int
     block_size: int = 0  # tokens per block of the cache tensor (vLLM's kernel block)
-    heads: int = 0  # KV heads on this rank (0: the inside of a block is unknown)
-    planes: int = 1
-    plane_stride: int = 0
+    heads: int = 0  # KV heads on this rank
     head_stride: int = 0
-    token_bytes: int = 0
+    head_bytes: int = 0  # bytes of one head's part of one block (all its planes)
+    planes: tuple[Plane, ...] = ()
 
     @property
-    def known_inside(self) -> bool:
-        return self.block_size > 0 and self.heads > 0 and self.token_bytes > 0
+    def heads_known(self) -> bool:
+        return self.block_size > 0 and self.heads > 0 and self.head_bytes > 0
+
+    @property
+    def tokens_known(self) -> bool:
+        return self.heads_known and bool(self.planes)
+
+    def plane_bytes(self, plane: Plane) -> int:
+        """Bytes of one plane of one head in one block."""
+        _, lines, line_stride, token_stride = plane
+        return lines * line_stride if lines > 1 else self.block_size * token_stride
 
     def starts(self) -> list[int]:
         out, pos = [], 0
@@ -93,25 +107,28 @@ class Geometry:
     def granule(self) -> int:
         """The largest size every offset and length of a transfer is a multiple of."""
         g = math.gcd(self.block_stride, self.block_bytes)
-        if self.known_inside:
-            g = math.gcd(g, math.gcd(self.token_bytes, math.gcd(self.head_stride,
-                                                                self.plane_stride)))
+        if self.heads_known:
+            g = math.gcd(g, math.gcd(self.head_stride, self.head_bytes))
+        for plane in self.planes:
+            for x in plane:
+                g = math.gcd(g, x)
         return g or 1
 
     def to_dict(self) -> dict[str, Any]:
         return {"region_sizes": list(self.region_sizes), "block_stride": self.block_stride,
                 "block_bytes": self.block_bytes, "num_blocks": self.num_blocks,
-                "block_size": self.block_size, "heads": self.heads, "planes": self.planes,
-                "plane_stride": self.plane_stride, "head_stride": self.head_stride,
-                "token_bytes": self.token_bytes}
+                "block_size": self.block_size, "heads": self.heads,
+                "head_stride": self.head_stride, "head_bytes": self.head_bytes,
+                "planes": [list(p) for p in self.planes]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Geometry:
+        planes = tuple((int(p[0]), int(p[1]), int(p[2]), int(p[3]))
+                       for p in d.get("planes") or [])
         return cls(tuple(int(x) for x in d["region_sizes"]), int(d["block_stride"]),
                    int(d["block_bytes"]), int(d["num_blocks"]), int(d.get("block_size", 0)),
-                   int(d.get("heads", 0)), int(d.get("planes", 1)),
-                   int(d.get("plane_stride", 0)), int(d.get("head_stride", 0)),
-                   int(d.get("token_bytes", 0)))
+                   int(d.get("heads", 0)), int(d.get("head_stride", 0)),
+                   int(d.get("head_bytes", 0)), planes)
 
 
 def encode_rank_payload(info: bytes, geometry: Geometry) -> bytes:
@@ -150,11 +167,70 @@ def byte_runs(runs: Iterable[tuple[int, int, int]], local: Geometry, remote: Geo
     whole = (heads[0] == heads[1] == 0 and heads[2] == src.heads == dst.heads
              and src.block_size == dst.block_size and src.block_bytes == dst.block_bytes)
     bs = src.block_size or 1
-    if whole and all(s % bs == 0 and d % bs == 0 for s, d, _ in runs):
+    aligned = src.block_size == dst.block_size and all(
+        s % bs == 0 and d % bs == 0 for s, d, _ in runs)
+    if whole and aligned:
         out = _whole_blocks(runs, src, dst, bs)
+    elif aligned:
+        out = _head_blocks(runs, src, dst, heads)
     else:
         out = _fine(runs, src, dst, heads)
     return out if local_is_src else [(d, s, n) for s, d, n in out]
+
+
+def _append(out: list[tuple[int, int, int]], so: int, do: int, n: int) -> None:
+    """Add a run, merged into the previous one when both sides continue it."""
+    if out and out[-1][0] + out[-1][2] == so and out[-1][1] + out[-1][2] == do:
+        out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+    else:
+        out.append((so, do, n))
+
+
+def _check_heads(src: Geometry, dst: Geometry, heads: Heads) -> None:
+    for g, side in ((src, "source"), (dst, "destination")):
+        if not g.heads_known:
+            raise ValueError(f"the {side}'s KV cache layout is not head-major (HND), so a "
+                             "head slice of a block cannot be addressed; both sides need "
+                             "vLLM's HND layout")
+    h_src, h_dst, count = heads
+    if h_src + count > src.heads or h_dst + count > dst.heads or count <= 0:
+        raise ValueError(f"head slice {heads} does not fit {src.heads} / {dst.heads} heads")
+    if len(src.planes) != len(dst.planes):
+        raise ValueError(f"the source has {len(src.planes)} planes, the destination "
+                         f"{len(dst.planes)}")
+
+
+def _head_blocks(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
+                 heads: Heads) -> list[tuple[int, int, int]]:
+    """Equal block sizes, a slice of the heads: each head's part of each whole block (what is
+    inside a head's part need not be known). Each plane apart when the planes lie outside
+    the heads (K/V apart, FlashAttention); one run per head and block when they lie inside."""
+    _check_heads(src, dst, heads)
+    if src.head_bytes != dst.head_bytes:
+        raise ValueError(f"one head of one block is {src.head_bytes} bytes on the source, "
+                         f"{dst.head_bytes} on the destination")
+    out: list[tuple[int, int, int]] = []
+    ss, ds = src.starts(), dst.starts()
+    bs = src.block_size
+    inner = src.head_stride >= src.head_bytes and dst.head_stride >= dst.head_bytes
+    parts = ([(0, 0, src.head_bytes)] if inner or not src.planes else
+             [(sp[0], dp[0], src.plane_bytes(sp)) for sp, dp in zip(src.planes, dst.planes)])
+    if not inner and not src.planes:
+        raise ValueError("the planes of a head are not known: cannot move a head slice")
+    for layer in range(len(ss)):
+        for s_off, d_off, nbytes in parts:
+            for h in range(heads[2]):
+                sh = ss[layer] + (heads[0] + h) * src.head_stride + s_off
+                dh = ds[layer] + (heads[1] + h) * dst.head_stride + d_off
+                for s_slot, d_slot, tokens in runs:
+                    sb, db, count = s_slot // bs, d_slot // bs, -(-tokens // bs)
+                    if sb + count > src.num_blocks or db + count > dst.num_blocks:
+                        raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the "
+                                         "cache")
+                    for i in range(count):
+                        _append(out, sh + (sb + i) * src.block_stride,
+                                dh + (db + i) * dst.block_stride, nbytes)
+    return out
 
 
 def _whole_blocks(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
@@ -178,43 +254,47 @@ def _whole_blocks(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry
 
 def _fine(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
           heads: Heads) -> list[tuple[int, int, int]]:
+    """Unequal block sizes (or runs off block boundaries): per layer, plane, head and line,
+    each piece of a run inside one block on both sides."""
+    _check_heads(src, dst, heads)
     for g, side in ((src, "source"), (dst, "destination")):
-        if not g.known_inside:
-            raise ValueError(f"the {side}'s KV cache layout is not head-major (HND), so a "
-                             "part of a block (a head slice or a token range) cannot be "
-                             "addressed; both sides need vLLM's HND layout")
-    if (src.planes, src.token_bytes) != (dst.planes, dst.token_bytes):
-        raise ValueError(f"one token of one head is {src.planes} x {src.token_bytes} bytes on "
-                         f"the source, {dst.planes} x {dst.token_bytes} on the destination")
+        if not g.tokens_known:
+            raise ValueError(f"the {side}'s KV cache keeps its tokens in a form kvplane "
+                             "cannot address inside a block, so blocks of different sizes "
+                             "cannot be matched; give prefill and decode one block size")
+    shapes = [(p[1], p[3]) for p in src.planes], [(p[1], p[3]) for p in dst.planes]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"the planes differ: (lines, token bytes) {shapes[0]} on the source, "
+                         f"{shapes[1]} on the destination")
     h_src, h_dst, count = heads
-    if h_src + count > src.heads or h_dst + count > dst.heads or count <= 0:
-        raise ValueError(f"head slice {heads} does not fit {src.heads} / {dst.heads} heads")
     out: list[tuple[int, int, int]] = []
     ss, ds = src.starts(), dst.starts()
-    sbs, dbs, tb = src.block_size, dst.block_size, src.token_bytes
+    sbs, dbs = src.block_size, dst.block_size
+    for s_slot, d_slot, tokens in runs:
+        if (s_slot + tokens - 1) // sbs >= src.num_blocks or \
+                (d_slot + tokens - 1) // dbs >= dst.num_blocks:
+            raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the cache")
     for layer in range(len(ss)):
-        for plane in range(src.planes):
+        for sp, dp in zip(src.planes, dst.planes):
+            tb = sp[3]
             for h in range(count):
-                s_base = ss[layer] + plane * src.plane_stride + (h_src + h) * src.head_stride
-                d_base = ds[layer] + plane * dst.plane_stride + (h_dst + h) * dst.head_stride
-                for s_slot, d_slot, tokens in runs:
-                    if (s_slot + tokens - 1) // sbs >= src.num_blocks or \
-                            (d_slot + tokens - 1) // dbs >= dst.num_blocks:
-                        raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the "
-                                         "cache")
-                    t = 0
-                    while t < tokens:
-                        s, d = s_slot + t, d_slot + t
-                        n = min(sbs - s % sbs, dbs - d % dbs, tokens - t)
-                        so = s_base + (s // sbs) * src.block_stride + (s % sbs) * tb
-                        do = d_base + (d // dbs) * dst.block_stride + (d % dbs) * tb
-                        if out and out[-1][0] + out[-1][2] == so and out[-1][1] + out[-1][2] == do:
-                            last = out[-1]
-                            out[-1] = (last[0], last[1], last[2] + n * tb)
-                        else:
-                            out.append((so, do, n * tb))
-                        t += n
+                for line in range(sp[1]):
+                    s_base = ss[layer] + (h_src + h) * src.head_stride + sp[0] + line * sp[2]
+                    d_base = ds[layer] + (h_dst + h) * dst.head_stride + dp[0] + line * dp[2]
+                    for s_slot, d_slot, tokens in runs:
+                        t = 0
+                        while t < tokens:
+                            s, d = s_slot + t, d_slot + t
+                            n = min(sbs - s % sbs, dbs - d % dbs, tokens - t)
+                            _append(out, s_base + (s // sbs) * src.block_stride + (s % sbs) * tb,
+                                    d_base + (d // dbs) * dst.block_stride + (d % dbs) * tb,
+                                    n * tb)
+                            t += n
     return out
+
+
+Inside = tuple[int, int, int, int, tuple[Plane, ...]]  # see block_inside
+UNKNOWN: Inside = (0, 0, 0, 0, ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,8 +307,7 @@ class CacheRegion:
     block_stride: int  # bytes from one block to the next
     block_bytes: int  # bytes of one block (all its K/V, heads and tokens)
     dtype: str
-    inside: tuple[int, int, int, int, int, int] = (0, 0, 1, 0, 0, 0)
-    # (block_size, heads, planes, plane_stride, head_stride, token_bytes); see Geometry
+    inside: Inside = UNKNOWN  # see block_inside
 
     @property
     def nbytes(self) -> int:
@@ -248,35 +327,49 @@ def _dense_inner(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 
 def block_inside(shape: tuple[int, ...], strides: tuple[int, ...], elt: int, block_size: int,
-                 heads: int) -> tuple[int, int, int, int, int, int]:
-    """(block_size, heads, planes, plane_stride, head_stride, token_bytes) of a block-major
-    cache tensor (strides in elements), read from its memory order: innermost one token's
+                 heads: int, head_size: int = 0, dtype: str = "") -> Inside:
+    """(block_size, heads, head_stride, head_bytes, planes) of a block-major cache tensor
+    (strides in elements; see Geometry), read from its memory order: innermost one token's
     channels, then the tokens of the block, then the heads, then the planes (K/V apart).
-    `block_size` and `heads` are what vLLM says this rank has; the tensor's block may be a
-    divisor of `block_size` (a smaller kernel block). All zeros when the layout is not
-    head-major: then only whole blocks can move."""
-    unknown = (0, 0, 1, 0, 0, 0)
+    `block_size`, `heads` and `head_size` are what vLLM says this rank has; the tensor's block
+    may be a divisor of `block_size` (a smaller kernel block).
+
+    vLLM's CPU backend keeps K and V side by side in the channels (`2 * head_size`): its
+    kernel writes V token-major into the second half of a head's block but K transposed into
+    the first (a line of `block_size` tokens per channel), as its float32 kernels do; other
+    dtypes there may tile K, so their tokens are left unknown (whole head slices of whole
+    blocks still move). UNKNOWN when the layout is not head-major."""
     dims = sorted(((st, sz) for st, sz in zip(strides[1:], shape[1:]) if sz != 1),
                   reverse=True)  # outermost first
     if len(dims) < 2 or block_size <= 0 or heads <= 0:
-        return unknown
+        return UNKNOWN
     (tok_st, tok_sz), (c_st, c_sz) = dims[-2], dims[-1]
     if c_st != 1 or tok_st != c_sz or block_size % tok_sz:
-        return unknown
+        return UNKNOWN
     rest = dims[:-2]
     head_st = tok_st * tok_sz
     if heads > 1:
         if not rest or rest[-1][1] != heads:
-            return unknown
+            return UNKNOWN
         head_st = rest[-1][0]
         rest = rest[:-1]
     if len(rest) > 1:
-        return unknown
-    planes, plane_st = (rest[0][1], rest[0][0]) if rest else (1, 0)
-    return (tok_sz, heads, planes, plane_st * elt, head_st * elt, c_sz * elt)
+        return UNKNOWN
+    n_planes, plane_st = (rest[0][1], rest[0][0]) if rest else (1, 0)
+    bs, e = tok_sz, elt
+    head_bytes = n_planes * bs * c_sz * e
+    planes: tuple[Plane, ...]
+    if n_planes == 1 and head_size and c_sz == 2 * head_size:  # the CPU backend's K|V
+        half = bs * head_size * e
+        planes = ((0, head_size, bs * e, e), (half, 1, 0, head_size * e)) \
+            if dtype == "float32" else ()
+    else:
+        planes = tuple((p * plane_st * e, 1, 0, c_sz * e) for p in range(n_planes))
+    return (bs, heads, head_st * e, head_bytes, planes)
 
 
-def cache_region(name: str, t: Any, block_size: int = 0, heads: int = 0) -> CacheRegion:
+def cache_region(name: str, t: Any, block_size: int = 0, heads: int = 0,
+                 head_size: int = 0) -> CacheRegion:
     """One layer's cache tensor as a region: blocks must be the outermost dimension and each
     block one dense run of bytes (any order inside it: vLLM's NHD or HND, K and V together or
     MLA's single latent, any dtype including FP8). vLLM hands permuted views for HND; the
@@ -297,13 +390,13 @@ def cache_region(name: str, t: Any, block_size: int = 0, heads: int = 0) -> Cach
             "attention backend does not give that (see docs/deploy.md, KV cache layout)")
     span = strides[0] * (num_blocks - 1) + block_elems
     flat = torch.as_strided(t, (span,), (1,))
-    return CacheRegion(name, flat, num_blocks, strides[0] * elt, block_elems * elt,
-                       str(t.dtype).replace("torch.", ""),
-                       block_inside(shape, strides, elt, block_size, heads))
+    dtype = str(t.dtype).replace("torch.", "")
+    return CacheRegion(name, flat, num_blocks, strides[0] * elt, block_elems * elt, dtype,
+                       block_inside(shape, strides, elt, block_size, heads, head_size, dtype))
 
 
-def cache_regions(kv_caches: dict[str, Any], block_size: int = 0,
-                  heads: int = 0) -> list[CacheRegion]:
+def cache_regions(kv_caches: dict[str, Any], block_size: int = 0, heads: int = 0,
+                  head_size: int = 0) -> list[CacheRegion]:
     """Every layer's region in layer order, a layer sharing another's cache counted once; all
     layers must agree on block count and geometry (one KV cache group)."""
     seen: set[int] = set()
@@ -317,7 +410,7 @@ def cache_regions(kv_caches: dict[str, Any], block_size: int = 0,
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        out.append(cache_region(name, t, block_size, heads))
+        out.append(cache_region(name, t, block_size, heads, head_size))
     if not out:
         raise ValueError("vLLM registered no KV cache tensors")
     first = out[0]
@@ -336,10 +429,9 @@ def geometry_of(regions: list[CacheRegion], block_size: int) -> Geometry:
     """The rank's geometry from its regions (`cache_regions`); `block_size` (vLLM's) stands
     for the tensor's block when its inside is unknown."""
     first = regions[0]
-    kbs, heads, planes, plane_stride, head_stride, token_bytes = first.inside
+    kbs, heads, head_stride, head_bytes, planes = first.inside
     return Geometry(tuple(r.nbytes for r in regions), first.block_stride, first.block_bytes,
-                    first.num_blocks, kbs or block_size, heads, planes, plane_stride,
-                    head_stride, token_bytes)
+                    first.num_blocks, kbs or block_size, heads, head_stride, head_bytes, planes)
 
 
 def _layer_index(name: str) -> tuple[int, ...]:
@@ -632,8 +724,9 @@ class WorkerHalf:
 
     def __init__(self, instance: str, rank: int, *, progress_thread: bool = False,
                  post_to: tuple[str, int] | None = None, backend: str = "UCX",
-                 block_size: int = 0, heads: int = 0) -> None:
+                 block_size: int = 0, heads: int = 0, head_size: int = 0) -> None:
         self.instance = instance
+        self.head_size = head_size  # channels of one head's K (MLA: the latent)
         self.block_size = block_size  # vLLM's block size (tokens)
         self.heads = heads  # KV heads on this rank (MLA: 1)
         self.backend = backend
@@ -650,10 +743,9 @@ class WorkerHalf:
         from kvplane.live.staging import staging_for
         from kvplane.live.transport import Transport
 
-        regions = cache_regions(kv_caches, self.block_size, self.heads)
+        regions = cache_regions(kv_caches, self.block_size, self.heads, self.head_size)
         first = regions[0]
-        self.geometry = geometry_of(regions, self.block_size)
-        kbs, heads, planes, _, _, token_bytes = first.inside
+        self.geometry = geometry = geometry_of(regions, self.block_size)
         self.transport = Transport(f"{self.instance}-rank{self.rank}-{time.time_ns() % 10**9}",
                                    granule=self.geometry.granule(),
                                    progress_thread=self.progress_thread, backend=self.backend,
@@ -664,8 +756,9 @@ class WorkerHalf:
                     "(stride %d, %s) with NIXL %s; inside a block: %s", self.instance,
                     self.rank, len(regions), first.num_blocks, first.block_bytes,
                     first.block_stride, first.dtype, self.backend,
-                    f"{planes} x {heads} heads x {kbs} tokens x {token_bytes} bytes"
-                    if heads else "not head-major (whole blocks only)")
+                    f"{geometry.heads} heads x {geometry.block_size} tokens, planes "
+                    f"{[list(p) for p in geometry.planes]}" if geometry.heads_known
+                    else "not head-major (whole blocks only)")
         sender = FactSender(*self.post_to) if self.post_to else None
         self.thread = TransferThread(self.transport, self.geometry, self.rank, self.instance,
                                      sender)

@@ -119,9 +119,11 @@ def test_the_instances_are_what_the_test_says(cluster: Cluster) -> None:
         ident = fetch("127.0.0.1", s.side_port, IDENTITY_KEY).decode()
         assert layout in ident, ident
     # every worker registered its cache, the inside of a block known (head-major)
-    assert log.count("inside a block: 1 x 1 heads x 32 tokens") == 2, "tp2's two ranks"
-    assert "inside a block: 1 x 2 heads x 64 tokens" in cluster.tp1.log_path.read_text(
-        errors="replace")
+    # (K transposed by the CPU kernel: a line per channel; V token-major)
+    assert log.count("inside a block: 1 heads x 32 tokens, planes [[0, 32, 128, 4], "
+                     "[4096, 1, 0, 128]]") == 2, "tp2's two ranks"
+    assert "inside a block: 2 heads x 64 tokens, planes [[0, 32, 256, 4], [8192, 1, 0, 128]]" \
+        in cluster.tp1.log_path.read_text(errors="replace")
 
 
 @pytest.mark.live

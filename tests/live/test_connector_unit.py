@@ -10,7 +10,6 @@ Fast (no servers, no NIXL transfer): the live suite checks the same flows agains
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import threading
 from dataclasses import dataclass, field

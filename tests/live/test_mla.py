@@ -3,7 +3,7 @@
 vLLM caches one latent per token and layer for MLA (kv_lora_rank + rope = 576 values, the same
 on every TP rank), block size 16 (the CPU MLA kernel's only one), and asks no KV cache layout
 of the connector (there are no heads to order). The connector registers each layer's latent
-cache as one region ("1 x 1 heads x 16 tokens" inside a block) and moves it like any other
+cache as one region (one "head" of 16 tokens inside a block, one plane) and moves it like any other
 cache. Checked: pull and push give a plain server's greedy tokens, decode received the KV
 (KVReceived, no KVLoadFailed), and the transfer moved the latent's bytes (TransferPlanned's
 bytes = tokens x layers x 576 x 4, no K/V pair).
@@ -96,7 +96,8 @@ def test_the_instances_cache_one_latent_per_layer(cluster: Cluster) -> None:
     for s in (cluster.prefill, cluster.decode):
         log = s.log_path.read_text(errors="replace")
         assert "CPU_MLA" in log or "MLA" in log
-        assert f"inside a block: 1 x 1 heads x 16 tokens x {LATENT * 4} bytes" in log, s.name
+        assert f"inside a block: 1 heads x 16 tokens, planes [[0, 1, 0, {LATENT * 4}]]" in log, \
+            s.name
 
 
 @pytest.mark.live

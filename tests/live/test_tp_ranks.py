@@ -33,7 +33,9 @@ LAYERS, HEADS, HEAD_DIM = 2, 4, 32
 
 
 def cpu_cache(blocks: int, bs: int, heads: int) -> Any:
-    """vLLM CPU attention: [blocks, heads, block, 2 * head_dim] (K and V side by side)."""
+    """vLLM CPU attention: [blocks, heads, block, 2 * head_dim]; its float32 kernel keeps a
+    head's K transposed in the first half ([head_dim][block]) and V token-major in the second
+    ([block][head_dim]), as measured with vLLM 0.32's cpu_attn_reshape_and_cache."""
     import torch
 
     return torch.zeros(blocks, heads, bs, 2 * HEAD_DIM)
@@ -54,9 +56,30 @@ def mla_cache(blocks: int, bs: int, heads: int) -> Any:
     return torch.zeros(blocks, bs, 64)
 
 
-# value of (layer, global head, token, channel) as each layout stores it
+# one token of one head, as each layout stores it (a view that can be read and written)
 def cpu_get(t: Any, blk: int, off: int, h: int) -> Any:
-    return t[blk, h, off]
+    bs = t.shape[2]
+    area = t[blk, h].reshape(-1)  # the head's part of the block, as the kernel uses it
+    k = area[: bs * HEAD_DIM].view(HEAD_DIM, bs)[:, off]
+    v = area[bs * HEAD_DIM:].view(bs, HEAD_DIM)[off]
+    return _Pair(k, v)
+
+
+class _Pair:
+    """K and V of one token in the CPU layout, which are not next to each other."""
+
+    def __init__(self, k: Any, v: Any) -> None:
+        self.k, self.v = k, v
+        self.shape = (2 * HEAD_DIM,)
+
+    def __setitem__(self, _: Any, value: Any) -> None:
+        self.k[...] = value[:HEAD_DIM]
+        self.v[...] = value[HEAD_DIM:]
+
+    def reshape(self, *_: Any) -> Any:
+        import torch
+
+        return torch.cat([self.k, self.v])
 
 
 def fa_get(t: Any, blk: int, off: int, h: int) -> Any:
@@ -74,19 +97,25 @@ LAYOUTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 def test_block_inside_reads_each_layout() -> None:
     import torch
 
-    def inside(t: Any, bs: int, heads: int) -> tuple[int, ...]:
-        return block_inside(tuple(t.shape), tuple(t.stride()), t.element_size(), bs, heads)
+    def inside(t: Any, bs: int, heads: int, head_size: int = HEAD_DIM) -> Any:
+        return block_inside(tuple(t.shape), tuple(t.stride()), t.element_size(), bs, heads,
+                            head_size, str(t.dtype).replace("torch.", ""))
 
-    # (block_size, heads, planes, plane_stride, head_stride, token_bytes)
-    assert inside(cpu_cache(3, 32, 2), 32, 2) == (32, 2, 1, 0, 32 * 64 * 4, 64 * 4)
-    assert inside(fa_hnd_cache(3, 16, 2), 16, 2) == (16, 2, 2, 2 * 16 * 32 * 4, 16 * 32 * 4,
-                                                     32 * 4)
-    assert inside(mla_cache(3, 16, 1), 16, 1) == (16, 1, 1, 0, 16 * 64 * 4, 64 * 4)
+    # (block_size, heads, head_stride, head_bytes, planes (offset, lines, stride, token))
+    e, hd = 4, HEAD_DIM
+    assert inside(cpu_cache(3, 32, 2), 32, 2) == (
+        32, 2, 32 * 2 * hd * e, 32 * 2 * hd * e, ((0, hd, 32 * e, e), (32 * hd * e, 1, 0, hd * e)))
+    bf16 = torch.zeros(3, 2, 32, 2 * hd, dtype=torch.bfloat16)  # its kernel may tile K
+    assert inside(bf16, 32, 2)[4] == () and inside(bf16, 32, 2)[1] == 2
+    assert inside(fa_hnd_cache(3, 16, 2), 16, 2) == (
+        16, 2, 16 * hd * e, 2 * 16 * hd * e, ((0, 1, 0, hd * e), (2 * 16 * hd * e, 1, 0, hd * e)))
+    assert inside(mla_cache(3, 16, 1), 16, 1, 64) == (16, 1, 16 * 64 * e, 16 * 64 * e,
+                                                      ((0, 1, 0, 64 * e),))
     assert inside(cpu_cache(3, 32, 1), 32, 1)[:2] == (32, 1)  # one head: no head dimension
     assert inside(cpu_cache(6, 16, 2), 32, 2)[0] == 16  # a smaller kernel block
     nhd = torch.zeros(3, 2, 16, 2, HEAD_DIM)  # tokens outside heads: not head-major
-    assert inside(nhd, 16, 2) == (0, 0, 1, 0, 0, 0)
-    assert inside(cpu_cache(3, 32, 2), 48, 2) == (0, 0, 1, 0, 0, 0)  # 32 does not divide 48
+    assert inside(nhd, 16, 2) == (0, 0, 0, 0, ())
+    assert inside(cpu_cache(3, 32, 2), 48, 2) == (0, 0, 0, 0, ())  # 32 does not divide 48
 
 
 class Side:
@@ -101,7 +130,7 @@ class Side:
         for r in range(tp):
             local = len(self.layout.heads_of(r))
             caches = {f"layers.{i}.attn": make(blocks, bs, local) for i in range(LAYERS)}
-            regions = cache_regions(caches, bs, local)
+            regions = cache_regions(caches, bs, local, 64 if kind == "mla" else HEAD_DIM)
             geom = geometry_of(regions, bs)
             tr = Transport(f"{name}-r{r}-{time.time_ns() % 10**9}", granule=geom.granule())
             for reg in regions:
@@ -220,9 +249,26 @@ def test_a_head_slice_needs_head_major_blocks() -> None:
     import torch
 
     nhd = {f"layers.{i}.attn": torch.zeros(4, 2, 32, HEADS, HEAD_DIM) for i in range(LAYERS)}
-    geom = geometry_of(cache_regions(nhd, 32, HEADS), 32)
-    assert not geom.known_inside
+    geom = geometry_of(cache_regions(nhd, 32, HEADS, HEAD_DIM), 32)
+    assert not geom.heads_known
     with pytest.raises(ValueError, match="not head-major"):
         byte_runs([(0, 0, 32)], geom, geom, local_is_src=True, heads=(0, 0, 2))
     # whole blocks still move
     assert byte_runs([(0, 32, 32)], geom, geom, local_is_src=True)
+
+
+def test_unequal_blocks_need_the_tokens_inside_a_head_known() -> None:
+    """A bf16 cache of the CPU backend (its kernel may tile K): head slices of whole blocks
+    move, blocks of another size are refused with the reason."""
+    import torch
+
+    def geom(bs: int) -> Any:
+        caches = {f"layers.{i}.attn": torch.zeros(4, 2, bs, 2 * HEAD_DIM, dtype=torch.bfloat16)
+                  for i in range(LAYERS)}
+        return geometry_of(cache_regions(caches, bs, 2, HEAD_DIM), bs)
+
+    g32, g64 = geom(32), geom(64)
+    assert g32.heads_known and not g32.tokens_known
+    assert byte_runs([(32, 64, 40)], g32, g32, local_is_src=True, heads=(1, 0, 1))
+    with pytest.raises(ValueError, match="give prefill and decode one block size"):
+        byte_runs([(32, 64, 40)], g32, g64, local_is_src=True)
