@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 
 Plane = tuple[int, int, int, int]  # (offset in the block, lines, line stride, token stride)
+MIN_TOKENS = 16  # block sizes between which parts of blocks move are multiples of this
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,9 @@ class Geometry:
 
     @property
     def tokens_known(self) -> bool:
-        return self.heads_known and bool(self.planes)
+        """Token runs inside a block can be moved: every plane token-major (a channel-major
+        plane's pieces would be a few bytes each)."""
+        return self.heads_known and bool(self.planes) and all(p[1] == 1 for p in self.planes)
 
     def plane_bytes(self, plane: Plane) -> int:
         """Bytes of one plane of one head in one block."""
@@ -105,13 +108,19 @@ class Geometry:
         return out
 
     def granule(self) -> int:
-        """The largest size every offset and length of a transfer is a multiple of."""
+        """The largest size every offset and length of a transfer is a multiple of: a whole
+        block; a head's part of it, and each plane's, when heads are known; with tokens known,
+        `MIN_TOKENS` tokens of a plane (a piece of a block between block sizes that are
+        multiples of MIN_TOKENS). NIXL's descriptor lists are cut into granules once per peer,
+        so a granule stays at hundreds of bytes or more."""
         g = math.gcd(self.block_stride, self.block_bytes)
         if self.heads_known:
             g = math.gcd(g, math.gcd(self.head_stride, self.head_bytes))
-        for plane in self.planes:
-            for x in plane:
-                g = math.gcd(g, x)
+            for plane in self.planes:
+                g = math.gcd(g, math.gcd(plane[0], self.plane_bytes(plane)))
+            if self.tokens_known:
+                for plane in self.planes:
+                    g = math.gcd(g, MIN_TOKENS * plane[3])
         return g or 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -260,8 +269,14 @@ def _fine(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
     for g, side in ((src, "source"), (dst, "destination")):
         if not g.tokens_known:
             raise ValueError(f"the {side}'s KV cache keeps its tokens in a form kvplane "
-                             "cannot address inside a block, so blocks of different sizes "
-                             "cannot be matched; give prefill and decode one block size")
+                             "cannot move in parts of a block (not head-major, or a plane "
+                             "stored channel-major, as vLLM's CPU backend keeps K), so blocks "
+                             "of different sizes cannot be matched; give prefill and decode "
+                             "one block size")
+    chunk = math.gcd(src.block_size, dst.block_size)
+    if chunk % MIN_TOKENS:
+        raise ValueError(f"block sizes {src.block_size} and {dst.block_size}: parts of "
+                         f"blocks move in multiples of {MIN_TOKENS} tokens")
     shapes = [(p[1], p[3]) for p in src.planes], [(p[1], p[3]) for p in dst.planes]
     if shapes[0] != shapes[1]:
         raise ValueError(f"the planes differ: (lines, token bytes) {shapes[0]} on the source, "
@@ -283,9 +298,12 @@ def _fine(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
                     d_base = ds[layer] + (h_dst + h) * dst.head_stride + dp[0] + line * dp[2]
                     for s_slot, d_slot, tokens in runs:
                         t = 0
-                        while t < tokens:
+                        # the last piece is rounded up to the chunk: it stays inside both
+                        # sides' last blocks (their bounds are multiples of it)
+                        end = -(-tokens // chunk) * chunk
+                        while t < end:
                             s, d = s_slot + t, d_slot + t
-                            n = min(sbs - s % sbs, dbs - d % dbs, tokens - t)
+                            n = min(sbs - s % sbs, dbs - d % dbs, end - t)
                             _append(out, s_base + (s // sbs) * src.block_stride + (s % sbs) * tb,
                                     d_base + (d // dbs) * dst.block_stride + (d % dbs) * tb,
                                     n * tb)

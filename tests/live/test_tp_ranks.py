@@ -197,10 +197,11 @@ def move(src: Side, dst: Side, src_blocks: tuple[int, ...], dst_blocks: tuple[in
 @pytest.mark.parametrize(("kind", "src_tp", "src_bs", "dst_tp", "dst_bs", "op"), [
     ("cpu", 2, 32, 1, 32, "READ"),  # prefill TP 2 -> decode TP 1 (pull)
     ("cpu", 1, 32, 2, 32, "WRITE"),  # prefill TP 1 -> decode TP 2 (push)
-    ("cpu", 1, 16, 1, 32, "READ"),  # unequal block sizes
-    ("cpu", 2, 64, 4, 32, "WRITE"),  # both at once
-    ("fa_hnd", 4, 16, 2, 32, "READ"),  # the GPU layout, K and V apart
+    ("cpu", 2, 64, 4, 64, "WRITE"),
+    ("fa_hnd", 1, 16, 1, 32, "READ"),  # the GPU layout (K and V apart): unequal block sizes
+    ("fa_hnd", 4, 16, 2, 32, "READ"),  # ... and TP at once
     ("fa_hnd", 1, 32, 1, 16, "WRITE"),
+    ("fa_hnd", 2, 64, 4, 32, "WRITE"),
     ("mla", 2, 16, 1, 64, "READ"),  # one latent, replicated over ranks
 ])
 def test_ranks_and_block_sizes_move_every_token_to_its_place(
@@ -257,18 +258,33 @@ def test_a_head_slice_needs_head_major_blocks() -> None:
     assert byte_runs([(0, 32, 32)], geom, geom, local_is_src=True)
 
 
-def test_unequal_blocks_need_the_tokens_inside_a_head_known() -> None:
-    """A bf16 cache of the CPU backend (its kernel may tile K): head slices of whole blocks
-    move, blocks of another size are refused with the reason."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cpu_backend_blocks_of_other_sizes_are_refused_with_the_reason(dtype: str) -> None:
+    """The CPU backend's caches (float32: K transposed, a line per channel; bf16: its kernel
+    may tile K): head slices of whole blocks move, blocks of another size are refused."""
     import torch
 
     def geom(bs: int) -> Any:
-        caches = {f"layers.{i}.attn": torch.zeros(4, 2, bs, 2 * HEAD_DIM, dtype=torch.bfloat16)
+        caches = {f"layers.{i}.attn": torch.zeros(4, 2, bs, 2 * HEAD_DIM,
+                                                  dtype=getattr(torch, dtype))
                   for i in range(LAYERS)}
         return geometry_of(cache_regions(caches, bs, 2, HEAD_DIM), bs)
 
     g32, g64 = geom(32), geom(64)
     assert g32.heads_known and not g32.tokens_known
+    assert g32.granule() >= 1024  # NIXL's descriptor lists stay small
     assert byte_runs([(32, 64, 40)], g32, g32, local_is_src=True, heads=(1, 0, 1))
     with pytest.raises(ValueError, match="give prefill and decode one block size"):
         byte_runs([(32, 64, 40)], g32, g64, local_is_src=True)
+
+
+def test_granules_stay_coarse() -> None:
+    """Descriptor lists are cut into granules once per peer: a piece of a block is never
+    smaller than MIN_TOKENS tokens of one head's plane."""
+    from kvplane.live.connector_worker import MIN_TOKENS
+
+    for kind, heads, bs, token in (("fa_hnd", 2, 16, HEAD_DIM * 4), ("mla", 1, 64, 64 * 4)):
+        make, _ = LAYOUTS[kind]
+        caches = {f"layers.{i}.attn": make(4, bs, heads) for i in range(LAYERS)}
+        g = geometry_of(cache_regions(caches, bs, heads, 64 if kind == "mla" else HEAD_DIM), bs)
+        assert g.tokens_known and g.granule() == MIN_TOKENS * token
