@@ -134,7 +134,8 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 
 def _write() -> None:
-    out = Path(os.environ.get("KVPLANE_GPU_REPORT", str(_servers.log_dir("gpu-variants"))))
+    env = os.environ.get("KVPLANE_GPU_REPORT")
+    out = Path(env) if env else _servers.log_dir("gpu-variants")
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_variants.json").write_text(json.dumps(RESULTS, indent=1))
 
