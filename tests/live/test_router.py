@@ -179,6 +179,8 @@ def test_push_sends_both_legs_at_once_with_one_request_id() -> None:
                 assert dl.arrived < pl.answered and pl.arrived < dl.answered  # both in flight
                 assert pl.body["kv_transfer_params"]["kvplane"]["mode"] == "push"
                 source = dl.body["kv_transfer_params"]["kvplane"]["source"]
+                layout = source.pop("layout")  # prefill's KV layout rides with its endpoint
+                assert layout["tp"] == 1 and layout["block_size"] == p.block_size
                 assert source == p.endpoint.to_dict()  # prefill's side channel, from first contact
         finally:
             await stop(p, d)
