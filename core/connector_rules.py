@@ -13,6 +13,8 @@ Rules kept here:
   into a block the consumer already had: those may be shared with other requests.
 - What prefill reads from a retained handle versus computes (`reuse_split`): the first
   `ceil(remote / block_size)` new blocks take the read, the rest are computed.
+- A push registration names the producer TP decode counts completions for
+  (`registration_mismatch`): a producer of another TP refuses it rather than WRITE.
 - A transfer of several TP streams (`StreamTally`) ends when its last stream ends, failed if
   any stream failed; a failure never frees blocks another stream still writes into.
 - Retain or not, and for how long (`retain_decision`, `retain_ttl`): a request's own wish wins
@@ -114,6 +116,16 @@ def push_window(skip_blocks: int, num_tokens: int, src_block_size: int,
     if num_tokens - skip_tokens <= 0:
         raise PeerError(f"decode's hit of {skip_blocks} blocks covers the whole prompt")
     return LoadWindow(skip_blocks, num_tokens - skip_tokens, skip_tokens // src_block_size)
+
+
+def registration_mismatch(assumed_src_tp: int, our_tp: int) -> str | None:
+    """Why a push registration cannot be served, None if it can: decode counts one completion
+    per stream of the producer TP it assumed, so a producer of another TP would finish that
+    count early (or never) and must not WRITE."""
+    if assumed_src_tp == our_tp:
+        return None
+    return (f"decode expects a prefill of TP {assumed_src_tp}, this one has TP {our_tp}: the "
+            "decode leg's source must carry prefill's layout (the router adds it)")
 
 
 @dataclass(slots=True)

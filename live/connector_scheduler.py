@@ -1020,12 +1020,9 @@ class SchedulerHalf:
                 self.decode_of.setdefault((xfer, attempt), peer)
                 self.skip_of.setdefault((xfer, attempt), skip)
                 assumed = body.get("src_layout")
-                if assumed is not None and layout_from_dict(assumed).tp != self.layout.tp:
-                    # decode counts one DONE per stream of the layout it assumed: it would
-                    # call the KV complete before all of ours landed. Never WRITE then.
-                    reason = (f"decode expects a prefill of TP {layout_from_dict(assumed).tp}, "
-                              f"this one has TP {self.layout.tp}: the decode leg's source "
-                              "must carry prefill's layout (the router adds it)")
+                reason = None if assumed is None else rules.registration_mismatch(
+                    layout_from_dict(assumed).tp, self.layout.tp)
+                if reason is not None:
                     self.fault("registration refused", PeerError(reason), request=xfer,
                                attempt=attempt, at=now)
                     self._tell_decode_failed(xfer, attempt, reason)

@@ -174,3 +174,9 @@ def test_retry_and_put_back() -> None:
     assert not rr.put_back(stored_new=True, taken_expires_at=10, now=5, table_has_newer=False)
     assert not rr.put_back(stored_new=False, taken_expires_at=10, now=10, table_has_newer=False)
     assert not rr.put_back(stored_new=False, taken_expires_at=10, now=5, table_has_newer=True)
+
+
+def test_a_registration_for_another_producer_tp_is_refused() -> None:
+    assert rules.registration_mismatch(2, 2) is None
+    assert "expects a prefill of TP 1, this one has TP 2" in (rules.registration_mismatch(1, 2)
+                                                                or "")
