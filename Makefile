@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-EXTRAS ?= sim,postgres,dashboard,live,dev
+EXTRAS ?= sim,postgres,dashboard,live,ray,dev
 STAMP  := $(VENV)/.installed-kvplane
 LIVE   := $(VENV)/.installed-live
 

@@ -1,59 +1,107 @@
-"""How much faster than real time the simulator runs, on one core.
+"""How much faster than real time the simulator runs, on one core, with and without recording.
 
-Prints:
-- simulated seconds per wall second for the push and the pull 8 QPS, 16k-input point of the
-  push/pull reproduction over 10 simulated minutes (1P1D), every core event made and dropped
-  (a null recorder: the store's speed is benchmarks/store_write.py's business);
-- the wall time of a 100,000-request multi-turn run (reuse on).
+Prints, for the push and the pull point at 8 QPS, 16k-token prompts of the push/pull
+reproduction (1P1D; `--minutes` simulated minutes of arrivals; the point is saturated, so the
+completed rate is printed too):
+- recording off (no recorder at all) and on (a `BatchingRecorder` into a fresh SQLite store,
+  the default of `kvplane sim run`): simulated seconds per CPU-second and per wall second, and
+  the ratio on/off: what recording costs;
+- with `--profile`, the five functions with the most own time (cProfile, recording off);
+- the wall time of a `--requests` multi-turn run (reuse on, recording off).
 
-Usage: python benchmarks/sim_speed.py [--minutes 10] [--requests 100000]
-Goal: at least 1,000x faster than real time for 1P1D.
+CPU seconds are this process's, all threads (the recorder's writer included): on a shared,
+loaded machine they are the steadier measure; wall seconds are printed beside them.
+
+Usage: python benchmarks/sim_speed.py [--minutes 10] [--requests 100000] [--profile]
+Goals: at least 1,000x faster than real time for 1P1D; recording on costs < 20% over off.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
-from kvplane.sim.config import load_scenario
+from kvplane.sim.config import Point, load_scenario
 from kvplane.sim.runner import simulate
+
+
+def timed(point: Point, record: bool, tmp: str) -> tuple[float, float, dict[str, Any], int]:
+    """(CPU s, wall s, summary, events written) of one point, recording into SQLite or not."""
+    if not record:
+        cpu, wall = time.process_time(), time.perf_counter()
+        _, s = simulate(point, None, drain=False)
+        return time.process_time() - cpu, time.perf_counter() - wall, s, 0
+    from kvplane.store import BatchingRecorder, open_store
+
+    with open_store(f"sqlite:///{Path(tmp) / f'{point.label}.db'}") as store:
+        run_id = store.create_run("sim", point.label)
+        cpu, wall = time.process_time(), time.perf_counter()
+        rec = BatchingRecorder(store, run_id)
+        _, s = simulate(point, rec.record, drain=False)
+        rec.close()
+        return time.process_time() - cpu, time.perf_counter() - wall, s, rec.written
+
+
+def top_five(point: Point) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    simulate(point, None, drain=False)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(5)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
+    return "\n".join("    " + ln for ln in lines[start:start + 6])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--requests", type=int, default=100_000)
+    ap.add_argument("--profile", action="store_true", help="print the top five functions")
     args = ap.parse_args()
 
     pp = load_scenario("seed_push_vs_pull")
     n = int(8 * 60 * args.minutes)
     pp = pp.model_copy(update={"requests": n, "warmup_requests": 0})
-    print(f"push/pull, 8 QPS, 16k in, {n} requests (~{args.minutes:g} simulated minutes)")
-    for p in pp.points():
-        if p.qps != 8 or p.input_len != 16384:
-            continue
-        events = 0
+    print(f"push/pull 1P1D, 8 QPS, 16k in, {n} requests (~{args.minutes:g} simulated minutes "
+          f"of arrivals; saturated)")
+    print(f"  {'mode':<5} {'recording':<9} {'sim s':>8} {'CPU s':>7} {'wall s':>7} "
+          f"{'x real (CPU)':>12} {'x real (wall)':>13} {'done/sim s':>10} {'events':>8}")
+    with tempfile.TemporaryDirectory(prefix="kvplane-speed-") as tmp:
+        for p in pp.points():
+            if p.qps != 8 or p.input_len != 16384:
+                continue
+            cpu_off = 0.0
+            for record in (False, True):
+                cpu, wall, s, events = timed(p, record, tmp)
+                sim_s = s["simulated_s"]
+                print(f"  {p.mode:<5} {'on' if record else 'off':<9} {sim_s:8.1f} {cpu:7.2f} "
+                      f"{wall:7.2f} {sim_s / cpu:12.0f} {sim_s / wall:13.0f} "
+                      f"{s['finished'] / sim_s:10.2f} {events:8d}")
+                if record:
+                    print(f"  {p.mode:<5} recording on / off (CPU): {cpu / cpu_off:.2f} "
+                          f"(+{(cpu / cpu_off - 1) * 100:.0f}%)")
+                cpu_off = cpu
+            if args.profile:
+                print(f"  {p.mode}: top five by own time (recording off)")
+                print(top_five(p))
 
-        def count(_e: object) -> None:
-            nonlocal events
-            events += 1
-
-        t = time.perf_counter()
-        _, s = simulate(p, count, drain=False)
-        wall = time.perf_counter() - t
-        print(f"  {p.mode:<5} simulated {s['simulated_s']:8.1f} s in {wall:6.2f} s wall: "
-              f"{s['simulated_s'] / wall:8.0f}x real time, {events / wall:9.0f} core events/s, "
-              f"TTFT {s['ttft_ms']['mean']:.0f} ms")
-
-    bd = load_scenario("seed_bidirectional")
-    bd = bd.model_copy(update={"requests": args.requests})
-    point = next(p for p in bd.points() if p.bidirectional)
-    t = time.perf_counter()
-    _, s = simulate(point, None, drain=False)
-    wall = time.perf_counter() - t
-    print(f"multi-turn, reuse on, {args.requests} requests: {wall:.1f} s wall for "
-          f"{s['simulated_s']:.0f} simulated s ({s['simulated_s'] / wall:.0f}x real time), "
-          f"{s['finished']} finished, reuse {s['reuse']}")
+    if args.requests:
+        bd = load_scenario("seed_bidirectional")
+        bd = bd.model_copy(update={"requests": args.requests})
+        point = next(p for p in bd.points() if p.bidirectional)
+        cpu, wall, s, _ = timed(point, False, "")
+        print(f"multi-turn, reuse on, {args.requests} requests: {cpu:.1f} CPU s ({wall:.1f} s "
+              f"wall) for {s['simulated_s']:.0f} simulated s "
+              f"({s['simulated_s'] / cpu:.0f}x real time per CPU-second), "
+              f"{s['finished']} finished, reuse {s['reuse']}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ Events are built before the clock starts: only the store's cost is measured.
     .venv/bin/python benchmarks/store_write.py                 # 200k events, SQLite + PostgreSQL
     .venv/bin/python benchmarks/store_write.py --events 50000 --pg-url postgresql://...
     .venv/bin/python benchmarks/store_write.py --no-postgres
+    .venv/bin/python benchmarks/store_write.py --writers 4     # 4 recorders in 4 processes
+
+With --writers N, N processes (say N live instances) each record an equal share of the events
+into a run of their own, all at once, into one database; events/s is then all events over the
+time from the first record() to the last close(), and CPU is summed over the N processes.
 
 Without --pg-url a private PostgreSQL server is started from Debian's binaries, with fsync on
 (durable, like a real deployment), and removed afterwards.
@@ -152,6 +157,50 @@ def measure(
         store.close()
 
 
+def _writer(args: tuple[str, str, list[Event], int, float, object]) -> tuple[float, float]:
+    """One of N concurrent recorders: waits at the barrier, records its share, closes.
+    Returns (its end time, its CPU seconds)."""
+    backend, url, events, batch_size, flush_interval, barrier = args
+    store = open_store(url)
+    try:
+        run_id = store.create_run("sim", "benchmark/store_write", meta={"events": len(events)})
+        recorder = BatchingRecorder(store, run_id, batch_size=batch_size,
+                                    flush_interval=flush_interval)
+        barrier.wait()  # type: ignore[attr-defined]
+        cpu = time.process_time()
+        for event in events:
+            recorder.record(event)
+        recorder.close()
+        end, cpu = time.time(), time.process_time() - cpu
+        if store.count(run_id) != len(events):
+            raise SystemExit(f"{backend}: {store.count(run_id)} stored, {len(events)} recorded")
+        return end, cpu
+    finally:
+        store.close()
+
+
+def measure_concurrent(backend: str, url: str, events: list[Event], writers: int,
+                       batch_size: int, flush_interval: float) -> Result:
+    """`writers` processes, each recording len(events)/writers events into its own run."""
+    import multiprocessing as mp
+
+    open_store(url).close()  # the schema made once, before the writers race to make it
+    ctx = mp.get_context("fork")
+    share = len(events) // writers
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(writers + 1)
+        with ctx.Pool(writers) as pool:
+            pending = pool.map_async(_writer, [
+                (backend, url, events[k * share:(k + 1) * share], batch_size, flush_interval,
+                 barrier) for k in range(writers)])
+            barrier.wait()
+            start = time.time()
+            ends = pending.get()
+    total = max(end for end, _ in ends) - start
+    return Result(f"{backend} x{writers}", share * writers, float("nan"), total,
+                  sum(cpu for _, cpu in ends))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--events", type=int, default=200_000)
@@ -160,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-url", help="use this PostgreSQL database instead of a private one")
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs per backend; best is shown")
+    parser.add_argument("--writers", type=int, default=1,
+                        help="concurrent recorders (processes), each into its own run")
     parser.add_argument(
         "--prompt-tokens", type=int, nargs=2, default=(256, 2048), metavar=("MIN", "MAX"),
         help=f"prompt length range; block lists hold prompt/{BLOCK_SIZE} ids",
@@ -191,10 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results = []
             for name, make_url in targets:
-                tries = [
-                    measure(name, make_url(), events, args.batch_size, args.flush_interval)
-                    for _ in range(args.repeat)
-                ]
+                if args.writers > 1:
+                    url = make_url()
+                    tries = [measure_concurrent(name, url, events, args.writers,
+                                                args.batch_size, args.flush_interval)
+                             for _ in range(args.repeat)]
+                else:
+                    tries = [
+                        measure(name, make_url(), events, args.batch_size, args.flush_interval)
+                        for _ in range(args.repeat)
+                    ]
                 results.append(min(tries, key=lambda r: r.total_s))
         finally:
             if server is not None:

@@ -12,7 +12,12 @@ Layouts moved (the same bytes each time):
 - fragmented: n blocks drawn at random from each side's pool, paired in token order (what a
   long-running block pool hands out), once "direct" (one descriptor per merged run) and once
   "staged" (gather, one WRITE per slot, scatter), plus "auto" (the transport's own choice from
-  its cost estimate).
+  its cost estimate), all posted as byte-run lists (`Transport.post`);
+- the same fragmented blocks posted at block level (`Transport.post_blocks`: planned from the
+  two block-id arrays, a staged job carries only block ids): "bstaged" (forced staging),
+  "bauto" (the estimate's choice), "bdirect" (forced per-block descriptors).
+--layout cross-layer keeps all layers of a block together (vLLM's block-outermost BLHNC
+layout): one piece of layers x 2 x block bytes per block, so one descriptor per block.
 Each is timed as the median of --repeats from post to the receiver having the bytes in place
 (a WRITE: the receiver's notification, acknowledged back; a READ: the reader's completion),
 and verified: the receiver's bytes, read in token order, are checksummed against the sender's.
@@ -38,17 +43,43 @@ import numpy as np
 
 
 def _cache(args: argparse.Namespace, seed: int) -> list[Any]:
-    shape = (2, args.pool_blocks, args.block, args.kv_heads, args.head_dim)
-    n = int(np.prod(shape)) * args.dtype_bytes
+    """Per layer one flat (2, blocks, ...) cache, or (cross-layer) one flat cache of
+    (blocks, layers, 2, ...)."""
+    per_layer = 2 * args.pool_blocks * _piece(args)
+    sizes = ([per_layer] * args.layers if args.layout == "per-layer"
+             else [per_layer * args.layers])
     if args.device != "cpu":
         import torch
 
         dev = _torch_device(args)
         g = torch.Generator(device=dev).manual_seed(seed)
         return [torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev, generator=g)
-                for _ in range(args.layers)]
+                for n in sizes]
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(args.layers)]
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+
+
+def block_layout(args: argparse.Namespace) -> Any:
+    """Where a block's pieces lie in the transport's offset space (same on both sides)."""
+    from kvplane.live.staging import BlockLayout
+
+    piece = _piece(args)
+    if args.layout == "cross-layer":
+        whole = 2 * args.layers * piece
+        return BlockLayout((0,), whole, whole, args.pool_blocks)
+    layer_bytes = 2 * args.pool_blocks * piece
+    bases = tuple(layer * layer_bytes + kv * args.pool_blocks * piece
+                  for layer in range(args.layers) for kv in range(2))
+    return BlockLayout(bases, piece, piece, args.pool_blocks)
+
+
+def _views(args: argparse.Namespace, cache: list[Any]) -> list[Any]:
+    """Per piece group, a (blocks, piece) int64 view of the cache."""
+    from kvplane.live.staging import _strided_rows
+
+    lay = block_layout(args)
+    region = len(cache[0]) if hasattr(cache[0], "__len__") else 0
+    return [_strided_rows(cache[b // region], b % region, lay) for b in lay.bases]
 
 
 def _torch_device(args: argparse.Namespace) -> str:
@@ -60,54 +91,49 @@ def _piece(args: argparse.Namespace) -> int:
 
 
 def byte_runs(args: argparse.Namespace, local_blocks: Any, remote_blocks: Any) -> Any:
-    """(local, remote, length) per (layer, K/V, block) piece; the transport merges them."""
-    piece = _piece(args)
-    layer_bytes = 2 * args.pool_blocks * piece
-    lk = np.arange(args.layers * 2, dtype=np.int64)
-    base = (lk // 2) * layer_bytes + (lk % 2) * args.pool_blocks * piece
-    lo = (base[:, None] + np.asarray(local_blocks, dtype=np.int64)[None, :] * piece).ravel()
-    ro = (base[:, None] + np.asarray(remote_blocks, dtype=np.int64)[None, :] * piece).ravel()
-    return np.stack([lo, ro, np.full_like(lo, piece)], axis=1)
+    """(local, remote, length) per piece (layer x K/V x block, or block for a cross-layer
+    cache), unmerged: `Transport.post` merges them."""
+    lay = block_layout(args)
+    base = np.asarray(lay.bases, dtype=np.int64)[:, None]
+    lo = (base + np.asarray(local_blocks, dtype=np.int64)[None, :] * lay.stride).ravel()
+    ro = (base + np.asarray(remote_blocks, dtype=np.int64)[None, :] * lay.stride).ravel()
+    return np.stack([lo, ro, np.full_like(lo, lay.piece)], axis=1)
 
 
 def checksum(args: argparse.Namespace, cache: list[Any], blocks: Any) -> int:
     """Position-weighted sum of the pieces of `blocks` in token order (int64, wrapping)."""
-    piece = _piece(args)
     total = 0
+    views = _views(args, cache)
     if args.device != "cpu":
         import torch
 
         idx = torch.as_tensor(np.asarray(blocks), device=_torch_device(args))
         w = torch.arange(1, len(blocks) + 1, device=_torch_device(args), dtype=torch.int64)
-        for li, layer in enumerate(cache):
-            rows = layer.view(torch.int64).view(2, args.pool_blocks, piece // 8)
-            for kv in range(2):
-                s = rows[kv].index_select(0, idx).sum(dim=1)
-                total += int(((s * w).sum() * (2 * li + kv + 1)).item())
+        for p, rows in enumerate(views):
+            s = rows.index_select(0, idx).sum(dim=1)
+            total += int(((s * w).sum() * (p + 1)).item())
         return total & (2**64 - 1)
     w = np.arange(1, len(blocks) + 1, dtype=np.int64)
     with np.errstate(over="ignore"):
-        for li, layer in enumerate(cache):
-            rows = layer.view(np.int64).reshape(2, args.pool_blocks, piece // 8)
-            for kv in range(2):
-                s = rows[kv][np.asarray(blocks)].sum(axis=1)
-                total += int((s * w).sum()) * (2 * li + kv + 1)
+        for p, rows in enumerate(views):
+            s = rows[np.asarray(blocks)].sum(axis=1)
+            total += int((s * w).sum()) * (p + 1)
     return total & (2**64 - 1)
 
 
 def _zero(args: argparse.Namespace, cache: list[Any], blocks: Any) -> None:
-    piece = _piece(args)
-    for layer in cache:
+    for rows in _views(args, cache):
         if args.device != "cpu":
             import torch
 
-            rows = layer.view(2, args.pool_blocks, piece)
             idx = torch.as_tensor(np.asarray(blocks), device=_torch_device(args))
-            rows.index_fill_(1, idx, 0)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
+            rows.index_fill_(0, idx, 0)
         else:
-            layer.reshape(2, args.pool_blocks, piece)[:, np.asarray(blocks)] = 0
+            rows[np.asarray(blocks)] = 0
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _transport(args: argparse.Namespace, name: str, cache: list[Any]) -> Any:
@@ -118,7 +144,7 @@ def _transport(args: argparse.Namespace, name: str, cache: list[Any]) -> Any:
     if args.profile:
         costs = costs_from_profile(args.profile, chunk_bytes=args.slot_mib << 20,
                                    overlap=args.device == "cuda")
-    t = Transport(name, granule=_piece(args),
+    t = Transport(name, granule=block_layout(args).piece,
                   staging=StagingConfig(slot_bytes=args.slot_mib << 20, slots=args.slots,
                                         costs=costs))
     for layer in cache:
@@ -185,10 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype-bytes", type=int, default=2)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--slot-mib", type=int, default=None, help="staging slot (64 cuda, 4 cpu)")
-    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--slot-mib", type=int, default=None, help="staging slot (256 cuda, 4 cpu)")
+    ap.add_argument("--slots", type=int, default=None, help="send (and receive) slots "
+                    "(4 cuda, 8 cpu)")
     ap.add_argument("--ops", default="WRITE,READ")
-    ap.add_argument("--modes", default="contiguous,direct,staged,auto")
+    ap.add_argument("--modes", default="contiguous,direct,staged,auto,bstaged,bauto",
+                    help="comma-separated: contiguous, direct, staged, auto (run lists), "
+                         "bdirect, bstaged, bauto (block level)")
+    ap.add_argument("--layout", choices=["per-layer", "cross-layer"], default="per-layer",
+                    help="per-layer: one (2, blocks, ...) tensor per layer (FlashAttention); "
+                         "cross-layer: one (blocks, layers, 2, ...) tensor")
     ap.add_argument("--profile", default="", help="calibration YAML for the auto choice")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="also write the figures here")
@@ -196,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the steps of the last staged transfer on both sides")
     args = ap.parse_args(argv)
     args.tokens = args.tokens or (16384 if args.device == "cuda" else 2048)
-    args.slot_mib = args.slot_mib or (64 if args.device == "cuda" else 4)
+    args.slot_mib = args.slot_mib or (256 if args.device == "cuda" else 4)
+    args.slots = args.slots or (4 if args.device == "cuda" else 8)
     if args.trace:
         os.environ["KVPLANE_STAGING_TRACE"] = "1"
     n = -(-args.tokens // args.block)
@@ -214,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     here.send(t.local_info())
     peer = t.add_peer(here.recv())
 
+    layout = block_layout(args)
     rng = np.random.default_rng(args.seed)
     contiguous = (np.arange(n), np.arange(n))
     fragmented = (rng.permutation(args.pool_blocks)[:n], rng.permutation(args.pool_blocks)[:n])
@@ -221,16 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     ok_all = True
     seq = 0
     print(f"{args.tokens} tokens, {args.layers} layers x K/V x {n} blocks of {_piece(args)} B "
-          f"= {nbytes / 2**20:.0f} MiB per transfer, device {args.device}", flush=True)
+          f"= {nbytes / 2**20:.0f} MiB per transfer in {len(layout.bases) * n} pieces of "
+          f"{layout.piece} B ({args.layout} cache), device {args.device}", flush=True)
     for op in args.ops.split(","):
-        base_s = None
+        base_s = direct_s = None
         for mode in args.modes.split(","):
             ours, theirs = contiguous if mode == "contiguous" else fragmented
             # WRITE: our blocks are the source; READ: our blocks are the destination.
-            runs = byte_runs(args, ours, theirs)
+            blocks = mode.startswith("b")
+            runs = None if blocks else byte_runs(args, ours, theirs)
             t._staging = t._staging.__class__(
                 slot_bytes=args.slot_mib << 20, slots=args.slots, costs=t._staging.costs,
-                force={"contiguous": "direct", "direct": "direct", "staged": "staged"}.get(mode))
+                force={"contiguous": "direct", "direct": "direct", "staged": "staged",
+                       "bdirect": "direct", "bstaged": "staged"}.get(mode))
             if op == "WRITE":
                 _ask(here, t, "zero", theirs)
             else:
@@ -240,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                 seq += 1
                 tag = f"bench-{seq}".encode()
                 start = time.perf_counter()
-                res = t.transfer(peer, op, runs, notify=tag if op == "WRITE" else b"",
-                                 timeout=300)
+                note = tag if op == "WRITE" else b""
+                if blocks:
+                    res = t.wait(t.post_blocks(peer, op, layout, ours, layout, theirs,
+                                               notify=note), 300)
+                else:
+                    res = t.transfer(peer, op, runs, notify=note, timeout=300)
                 if res.ok and op == "WRITE":
                     got = t.wait_notification(b"ack-" + tag, 300)
                     if got is None:
@@ -262,16 +303,19 @@ def main(argv: list[str] | None = None) -> int:
             ok_all &= verified
             med = statistics.median(times)
             base_s = med if mode == "contiguous" else base_s
+            direct_s = med if mode == "direct" else direct_s
             row = {"op": op, "layout": "contiguous" if mode == "contiguous" else "fragmented",
-                   "mode": mode, "method": method, "descriptors": descs,
-                   "median_ms": med * 1e3, "GBps": nbytes / med / 1e9,
+                   "cache": args.layout, "mode": mode, "method": method,
+                   "descriptors": descs, "median_ms": med * 1e3, "GBps": nbytes / med / 1e9,
                    "vs_contiguous": med / base_s if base_s else None,
+                   "speedup_vs_direct": direct_s / med if direct_s else None,
                    "verified": verified, "bytes": nbytes}
             rows.append(row)
             ratio = f"{row['vs_contiguous']:.2f}x" if base_s else "-"
+            gain = f"{row['speedup_vs_direct']:.1f}x" if direct_s else "-"
             print(f"{op:5} {mode:10} {method:6} {descs:7d} desc  {med * 1e3:9.2f} ms  "
-                  f"{row['GBps']:8.2f} GB/s  {ratio:>7} of contiguous time  "
-                  f"bytes {'ok' if verified else 'DIFFER'}", flush=True)
+                  f"{row['GBps']:8.2f} GB/s  {ratio:>7} of contiguous time  {gain:>6} "
+                  f"faster than per-run  bytes {'ok' if verified else 'DIFFER'}", flush=True)
     if args.trace and t._stager is not None:
         _print_trace(t._stager.trace or [], _ask(here, t, "trace") or [])
     _ask(here, t, "stop")

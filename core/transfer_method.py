@@ -70,11 +70,14 @@ def staged_time(costs: MethodCosts, nbytes: int, runs: int = 0) -> float:
 
 
 def choose(costs: MethodCosts, nbytes: int, descriptors: int, *,
-           staging_available: bool) -> Method:
-    """The cheaper method for this transfer ("direct" unless staging clearly wins)."""
+           staging_available: bool, runs: int | None = None) -> Method:
+    """The cheaper method for this transfer ("direct" unless staging clearly wins). `runs`:
+    what the staged path plans per item (the descriptors for a run list; the block count
+    for a block-level transfer, planned from block ids whatever the layer count)."""
     if not staging_available or descriptors <= 1:
         return "direct"
-    if staged_time(costs, nbytes, descriptors) < STAGING_MARGIN * direct_time(costs, nbytes,
-                                                                         descriptors):
+    planned = descriptors if runs is None else runs
+    if staged_time(costs, nbytes, planned) < STAGING_MARGIN * direct_time(costs, nbytes,
+                                                                      descriptors):
         return "staged"
     return "direct"

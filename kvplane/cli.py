@@ -46,6 +46,15 @@ DbOpt = Annotated[
 ]
 
 
+EngineOpt = Annotated[str, typer.Option(
+    help="Where points run: `local` processes, or `ray` tasks (pip install 'kvplane[ray]').")]
+AddressOpt = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(help="With --engine ray: the Ray cluster to join (host:port, or `auto`); "
+                 "default: the one this shell joined, else a private local one."),
+]
+
+
 _debug = False
 
 
@@ -80,15 +89,18 @@ def sim_run(
     jobs: Annotated[int, typer.Option(help="Sweep points run in parallel processes.")] = 0,
     no_record: Annotated[bool, typer.Option("--no-record",
                                             help="Do not write events to the store.")] = False,
+    engine: EngineOpt = "local",
+    address: AddressOpt = None,
 ) -> None:
     """Run every point of a scenario's sweep, record every core event, print a summary."""
     from kvplane.sim.config import ScenarioError
+    from kvplane.sim.engines import EngineError
     from kvplane.sim.runner import run_scenario
 
     try:
         summary = run_scenario(scenario, db=db, seed=seed, jobs=jobs, record=not no_record,
-                               requests=requests)
-    except ScenarioError as exc:
+                               requests=requests, engine=engine, address=address)
+    except (ScenarioError, EngineError) as exc:
         _fail(str(exc))
         return
     from kvplane.sim.report import points_table
@@ -156,6 +168,8 @@ def plan(
         min=0.0, help="Price of one GPU-hour: rank and print cost in $/h.")] = None,
     max_instances: Annotated[int, typer.Option(help="Largest xPyD total to try.")] = 8,
     jobs: Annotated[int, typer.Option(help="Parallel processes (0: one per core).")] = 0,
+    engine: EngineOpt = "local",
+    address: AddressOpt = None,
     topology_out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         "--topology-out", help="Write the chosen configuration as a `kvplane deploy` "
         "topology YAML here.")] = None,
@@ -198,7 +212,7 @@ def plan(
                          input_len=input_len, output_len=output_len, requests=requests,
                          seeds=seeds, max_instances=max_instances,
                          gpu_hour_price=gpu_hour_price, jobs=jobs, curve=curve,
-                         progress=progress)
+                         progress=progress, engine=engine, address=address)
     except (ScenarioError, ValueError) as exc:
         bar.close()
         _fail(str(exc))

@@ -123,6 +123,13 @@ class Geometry:
                     g = math.gcd(g, MIN_TOKENS * plane[3])
         return g or 1
 
+    def layout(self) -> Any:
+        """The transport's block layout of this rank: one piece per layer and block."""
+        from kvplane.live.staging import BlockLayout
+
+        return BlockLayout(tuple(self.starts()), self.block_stride, self.block_bytes,
+                           self.num_blocks)
+
     def to_dict(self) -> dict[str, Any]:
         return {"region_sizes": list(self.region_sizes), "block_stride": self.block_stride,
                 "block_bytes": self.block_bytes, "num_blocks": self.num_blocks,
@@ -313,6 +320,44 @@ def _fine(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
 
 Inside = tuple[int, int, int, int, tuple[Plane, ...]]  # see block_inside
 UNKNOWN: Inside = (0, 0, 0, 0, ())
+
+
+def whole_block_runs(order: Order, local: Geometry, remote: Geometry
+                     ) -> list[tuple[int, int, int]] | None:
+    """The order's token-slot runs as whole-block runs `(src_block, dst_block, count)` when
+    whole blocks are what moves (all heads, one block geometry on both sides, runs on block
+    boundaries; the last block moves whole); None when only byte runs can say it."""
+    bs = local.block_size
+    if order.heads or bs <= 0 or (local.block_size, local.block_bytes) != (
+            remote.block_size, remote.block_bytes) or local.heads != remote.heads:
+        return None
+    if any(s % bs or d % bs for s, d, _ in order.runs):
+        return None
+    return [(s // bs, d // bs, -(-n // bs)) for s, d, n in order.runs]
+
+
+def block_ids(runs: Iterable[tuple[int, int, int]], local: Geometry, remote: Geometry,
+              local_is_src: bool) -> tuple[Any, Any]:
+    """Block runs `(src, dst, count)` as two block-id arrays (ours, the peer's), one entry per
+    block in run order: what `Transport.post_blocks` plans from (numpy, no per-run loop)."""
+    import numpy as np
+
+    if len(local.region_sizes) != len(remote.region_sizes):
+        raise ValueError(f"layer count differs: ours {len(local.region_sizes)}, peer's "
+                         f"{len(remote.region_sizes)}")
+    if local.block_bytes != remote.block_bytes:
+        raise ValueError(f"block bytes differ: ours {local.block_bytes}, peer's "
+                         f"{remote.block_bytes}")
+    arr = np.asarray(list(runs), dtype=np.int64).reshape(-1, 3)
+    src, dst, count = arr[:, 0], arr[:, 1], arr[:, 2]
+    lb, rb = (src, dst) if local_is_src else (dst, src)
+    bad = (count <= 0) | (lb < 0) | (rb < 0) | (lb + count > local.num_blocks) | (
+        rb + count > remote.num_blocks)
+    if bad.any():
+        raise ValueError(f"block run {tuple(int(x) for x in arr[bad][0])} is past the cache")
+    within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count,
+                                                                   count)
+    return np.repeat(lb, count) + within, np.repeat(rb, count) + within
 
 
 @dataclass(frozen=True, slots=True)
@@ -664,15 +709,24 @@ class TransferThread:
                 self._forget_peer(order.peer, order.peer_rank)
             self._fact(order, done, res.ok, res.reason)
             return
-        try:
-            runs = byte_runs(order.runs, self.geometry, geom, local_is_src=order.kind == "write",
-                             heads=order.heads or None)
-        except ValueError as exc:
-            self._fact(order, done, False, f"cannot map blocks: {exc}")
-            return
         op = "WRITE" if order.kind == "write" else "READ"
         notify = order.notify if order.kind == "write" else b""
-        t = self.transport.post(peer, op, runs, notify=notify)
+        try:
+            whole = whole_block_runs(order, self.geometry, geom)
+            if whole is not None:
+                ours, theirs = block_ids(whole, self.geometry, geom,
+                                         local_is_src=order.kind == "write")
+                # Planned at block level (block-id arrays, per-layer address table): the
+                # staged path then sends block ids, not a run list (live/staging.py).
+                t = self.transport.post_blocks(peer, op, self.geometry.layout(), ours,
+                                               geom.layout(), theirs, notify=notify)
+            else:  # a head slice or parts of blocks: byte runs
+                runs = byte_runs(order.runs, self.geometry, geom,
+                                 local_is_src=order.kind == "write", heads=order.heads or None)
+                t = self.transport.post(peer, op, runs, notify=notify)
+        except ValueError as exc:  # TransportError is one: a layout that does not fit
+            self._fact(order, done, False, f"cannot map blocks: {exc}")
+            return
         self._inflight.append(_InFlight(order, peer, t, time.perf_counter()))
 
     def _poll(self) -> bool:

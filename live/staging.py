@@ -12,6 +12,13 @@ How it works (`Stager`, owned by a `Transport` made with a `StagingConfig`):
 - A transfer's runs become one stream of granules in the initiator's run order; both sides cut
   the stream into chunks of one slot (min of the two slot sizes) and know the other side's runs
   from the first control message (offsets delta-coded and zlib-compressed).
+- A block transfer (`Transport.post_blocks`, `BlockLayout`: piece p of block b at
+  bases[p] + b x stride) streams its pieces piece group by piece group, blocks in the given
+  order; its first message carries the peer's layout and block ids (4 bytes a block) instead
+  of runs. Each side plans from its id array alone, and where every piece group lies on one
+  row grid of its memory (the usual case: per-layer caches from cudaMalloc), copies a whole
+  chunk with one `index_select` / `index_copy_` over a view spanning all layers (`_Span`);
+  otherwise one per piece group.
 - The data owner always WRITEs (also for a READ: "ask the holder to write"): a READ sends PULL
   with the holder's runs and the first grants; a WRITE sends OFFER with the receiver's runs and
   the caller's notification, and the receiver answers with grants. A grant names a free receive
@@ -64,7 +71,7 @@ STAGED_FIXED_S = 1e-3
 PLAN_PER_RUN_S = 0.15e-6
 DEFAULT_COSTS: dict[str, MethodCosts] = {
     "VRAM": MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.0e12,
-                        round_trip=150e-6, chunk_bytes=64 << 20, overlap=True,
+                        round_trip=150e-6, chunk_bytes=256 << 20, overlap=True,
                         staged_fixed=STAGED_FIXED_S, plan_per_run=PLAN_PER_RUN_S),
     "DRAM": MethodCosts(bandwidth=5.5e9, per_descriptor=1.9e-6, copy_bandwidth=5.0e9,
                         round_trip=200e-6, chunk_bytes=4 << 20, overlap=False,
@@ -101,7 +108,8 @@ def staging_for(buffer: Any, setting: str | None = None) -> StagingConfig | None
     where descriptors cost most and copies are cheap; off for host memory), "on" (both; the
     estimate decides per transfer), "staged" or "direct" (pool registered, one method always:
     tests and benchmarks), "off". Host memory gets small slots (4 x 4 MiB), GPU memory
-    4 x 64 MiB."""
+    4 x 256 MiB (2 GiB per worker, half to send, half to receive: on an H200 fewer, larger
+    chunks cost less Python per byte; docs/measurements/transfer-fragmented-h200.md)."""
     value = (setting if setting is not None else os.environ.get(STAGING_ENV, "auto")).lower()
     if value not in ("auto", "on", "off", "staged", "direct"):
         raise ValueError(f"{STAGING_ENV}={value!r}: expected auto, on, off, staged or direct")
@@ -109,7 +117,7 @@ def staging_for(buffer: Any, setting: str | None = None) -> StagingConfig | None
     if value == "off" or (value == "auto" and not gpu):
         return None
     force: Method | None = value if value in ("staged", "direct") else None  # type: ignore[assignment]
-    return StagingConfig(slot_bytes=(64 if gpu else 4) << 20, slots=4, force=force)
+    return StagingConfig(slot_bytes=(256 if gpu else 4) << 20, slots=4, force=force)
 
 
 def costs_from_profile(path: str | Path, *, chunk_bytes: int, overlap: bool) -> MethodCosts:
@@ -167,6 +175,9 @@ def decode(message: bytes) -> tuple[str, dict[str, Any], Any]:
     head, _, body = message[len(MAGIC):].partition(b"\n")
     header = json.loads(head)
     runs = None
+    if "lay" in header:  # a block transfer: the body is the block ids, int32
+        return str(header.pop("k")), header, np.frombuffer(body, dtype=np.int32).astype(
+            np.int64)
     if body:
         dtype = np.int64 if int(header.get("rw", 8)) == 8 else np.int32
         cols = np.frombuffer(zlib.decompress(body), dtype=dtype).astype(np.int64)
@@ -183,6 +194,116 @@ def granules_of(runs: Any, granule: int) -> Any:
     total = int(n.sum())
     within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
     return np.repeat(off, n) + within
+
+
+# ---- block-level transfers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """Where each KV block's bytes lie in one transport's offset space: piece p of block b is
+    `piece` bytes at `bases[p] + b * stride`. A per-layer cache gives one base per layer (or per
+    layer and K/V half, FlashAttention's (2, blocks, ...) tensors); a cross-layer-contiguous
+    cache (vLLM's block-outermost BLHNC/BLNHC layouts) one base, with piece = stride = all
+    layers of a block: one descriptor per block. A transfer of n blocks then moves
+    len(bases) x n pieces, planned from the two block-id arrays alone (no per-run lists)."""
+
+    bases: tuple[int, ...]
+    stride: int
+    piece: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if not self.bases or self.piece <= 0 or self.num_blocks <= 0 or self.stride < self.piece:
+            raise ValueError(f"block layout needs bases, piece > 0, stride >= piece and "
+                             f"blocks > 0 (bases {len(self.bases)}, piece {self.piece}, "
+                             f"stride {self.stride}, blocks {self.num_blocks})")
+        if min(self.bases) < 0:
+            raise ValueError("block layout bases must not be negative")
+
+    @property
+    def span(self) -> int:
+        """Bytes from a piece group's base to the end of its last block."""
+        return (self.num_blocks - 1) * self.stride + self.piece
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"b": list(self.bases), "s": self.stride, "p": self.piece, "n": self.num_blocks}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> BlockLayout:
+        return cls(tuple(int(x) for x in d["b"]), int(d["s"]), int(d["p"]), int(d["n"]))
+
+
+def _mergeable(local: BlockLayout, remote: BlockLayout) -> bool:
+    """Consecutive blocks' pieces touch on both sides (each piece is its block's stride)."""
+    return local.stride == local.piece and remote.stride == remote.piece
+
+
+def block_descriptors(local: BlockLayout, local_ids: Any, remote: BlockLayout,
+                      remote_ids: Any) -> int:
+    """How many runs `block_runs_array` would give, from the id arrays alone (cheap: the staged
+    path never builds the runs)."""
+    import numpy as np
+
+    n = len(local_ids)
+    if n > 1 and _mergeable(local, remote):
+        lid, rid = np.asarray(local_ids), np.asarray(remote_ids)
+        n = 1 + int(np.count_nonzero((lid[1:] != lid[:-1] + 1) | (rid[1:] != rid[:-1] + 1)))
+    return len(local.bases) * n
+
+
+def block_runs_array(local: BlockLayout, local_ids: Any, remote: BlockLayout,
+                     remote_ids: Any) -> Any:
+    """(local, remote, length) runs of a block transfer, merged where consecutive blocks are
+    consecutive on both sides and each piece is its block's whole stride: an (N, 3) int64
+    array built with numpy from the id arrays (piece group outermost, token order inside)."""
+    import numpy as np
+
+    lid = np.asarray(local_ids, dtype=np.int64)
+    rid = np.asarray(remote_ids, dtype=np.int64)
+    if len(lid) == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    if _mergeable(local, remote) and len(lid) > 1:
+        brk = (lid[1:] != lid[:-1] + 1) | (rid[1:] != rid[:-1] + 1)
+        starts = np.flatnonzero(np.concatenate(([True], brk)))
+        counts = np.diff(np.append(starts, len(lid)))
+        lid, rid = lid[starts], rid[starts]
+    else:
+        counts = np.ones(len(lid), dtype=np.int64)
+    lb = np.asarray(local.bases, dtype=np.int64)[:, None]
+    rb = np.asarray(remote.bases, dtype=np.int64)[:, None]
+    p = len(local.bases)
+    out = np.empty((p * len(lid), 3), dtype=np.int64)
+    out[:, 0] = (lb + lid[None, :] * local.stride).ravel()
+    out[:, 1] = (rb + rid[None, :] * remote.stride).ravel()
+    out[:, 2] = np.tile(counts * local.piece, p)
+    return out
+
+
+@dataclass(slots=True)
+class BlockPlan:
+    """A block job's copies: per piece group a 2-D view (one block's piece per row) and the
+    block ids (one index tensor for every group); stream row s = group s // n, block s % n."""
+
+    views: list[Any]
+    ids: Any
+    n: int
+    span: _Span | None = None  # when set: one copy per chunk through `flat`
+    flat: Any = None  # span row of every stream row (piece group, block, row in piece)
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """One 2-D view over all of a layout's piece groups (from the lowest to the highest address
+    they touch), rows of `unit` bytes, so one index op copies a chunk across every layer: the
+    batched gather. Only rows of our pieces are ever indexed; the memory between regions (other
+    allocations) is never touched. row0: per piece group, the row of its block 0."""
+
+    rows: Any
+    unit: int
+    row0: Any  # (groups, 1, 1), on the copies' device
+    stride_rows: int
+    within: Any  # (1, 1, piece_rows): row offsets inside one piece, on the copies' device
 
 
 # ---- copies --------------------------------------------------------------------------------------
@@ -207,6 +328,92 @@ class Copier:
         for s in sizes:
             self.starts.append(self.starts[-1] + s)
         self._views: dict[int, tuple[list[Any], Any]] = {}
+        self._block_views: dict[BlockLayout, list[Any]] = {}
+        self._spans: dict[BlockLayout, _Span | None] = {}
+
+    def region_of(self, layout: BlockLayout) -> str:
+        """Why this layout's piece groups do not each lie inside one of our regions ("" when
+        they do)."""
+        import bisect
+
+        for base in layout.bases:
+            r = bisect.bisect_right(self.starts, base) - 1
+            if r < 0 or r >= len(self.buffers) or base + layout.span > self.starts[r + 1]:
+                return (f"piece group at {base} (+{layout.span} B) is not inside one "
+                        f"registered KV region")
+        return ""
+
+    def block_views(self, layout: BlockLayout) -> list[Any]:
+        """Per piece group, a (blocks, piece) view of the region under it; built once per
+        layout (the per-layer address table) and kept."""
+        import bisect
+
+        views = self._block_views.get(layout)
+        if views is not None:
+            return views
+        problem = self.region_of(layout)
+        if problem:
+            raise ValueError(problem)
+        views = []
+        for base in layout.bases:
+            r = bisect.bisect_right(self.starts, base) - 1
+            off = base - self.starts[r]
+            views.append(_strided_rows(self.buffers[r], off, layout))
+        self._block_views[layout] = views
+        return views
+
+    def plan_blocks(self, layout: BlockLayout, ids: Any) -> BlockPlan:
+        import numpy as np
+
+        idx = np.ascontiguousarray(ids, dtype=np.int64)
+        n = len(idx)
+        if self.torch:
+            import torch
+
+            idx = torch.from_numpy(idx).to(self.pool.device, non_blocking=False)
+            self._side().wait_stream(torch.cuda.current_stream(self.pool.device))
+        views = self.block_views(layout)
+        span = self.span_for(layout)
+        if span is None:
+            return BlockPlan(views, idx, n)
+        flat = (span.row0 + idx[None, :, None] * span.stride_rows + span.within).reshape(-1)
+        if self.torch:
+            import torch
+
+            self._side().wait_stream(torch.cuda.current_stream(self.pool.device))
+        return BlockPlan(views, idx, n, span, flat)
+
+    def span_for(self, layout: BlockLayout) -> _Span | None:
+        """The layout's span view (cached), or None when the piece groups do not share a row
+        grid of at least 512 bytes (then one copy per piece group) or KVPLANE_STAGING_SPAN=0."""
+        import bisect
+
+        if layout in self._spans:
+            return self._spans[layout]
+        span = None
+        if os.environ.get("KVPLANE_STAGING_SPAN", "1") != "0":
+            addrs = []
+            for base in layout.bases:
+                r = bisect.bisect_right(self.starts, base) - 1
+                addrs.append(_address(self.buffers[r]) + base - self.starts[r])
+            low = min(addrs)
+            high = max(addrs) + layout.span
+            unit = math.gcd(layout.piece, layout.stride, *(a - low for a in addrs))
+            if unit >= 512 and unit % 8 == 0 and low % 8 == 0:
+                import numpy as np
+
+                rows = _raw_rows(low, high - low, unit, self.buffers[0])
+                row0 = np.array([(a - low) // unit for a in addrs], dtype=np.int64)
+                within = np.arange(layout.piece // unit, dtype=np.int64)
+                if self.torch:
+                    import torch
+
+                    row0 = torch.as_tensor(row0, device=self.pool.device)
+                    within = torch.as_tensor(within, device=self.pool.device)
+                span = _Span(rows, unit, row0[:, None, None], layout.stride // unit,
+                             within[None, None, :])
+        self._spans[layout] = span
+        return span
 
     def views(self, granule: int) -> tuple[list[Any], Any]:
         """Each region and the pool as a 2-D view of one granule per row."""
@@ -246,6 +453,8 @@ class Copier:
         `slot_offset` (bytes into the pool). Returns an event to query, or None when done."""
         import numpy as np
 
+        if isinstance(plan, BlockPlan):
+            return self._run_blocks(direction, plan, lo, hi, slot_offset, granule)
         region, rows, seg_starts = plan
         regions, pool_rows = self.views(granule)
         slot_row = slot_offset // granule
@@ -267,6 +476,63 @@ class Copier:
             return event
         self._copy(direction, segs, regions, pool_rows, rows, slot_row - lo)
         return None
+
+    def _run_blocks(self, direction: Literal["gather", "scatter"], plan: BlockPlan, lo: int,
+                    hi: int, slot_offset: int, piece: int) -> Any:
+        """Stream rows [lo, hi) of a block job: one index_select (gather) or index_copy_
+        (scatter) over the span when there is one, else one per piece group the chunk
+        touches, all with the job's one id tensor."""
+        span = plan.span
+        if span is not None and slot_offset % 8 == 0:
+            k = int(span.within.shape[-1])
+            slot = _slot_rows(self.pool, slot_offset, (hi - lo) * k, span.unit)
+            idx = plan.flat[lo * k:hi * k]
+            if not self.cuda:
+                if direction == "gather":
+                    span.rows.take(idx, axis=0, out=slot, mode="clip")
+                else:
+                    span.rows[idx] = slot
+                return None
+            import torch
+
+            with torch.cuda.stream(self._side()):
+                if direction == "gather":
+                    torch.index_select(span.rows, 0, idx, out=slot)
+                else:
+                    span.rows.index_copy_(0, idx, slot)
+                event = torch.cuda.Event()
+                event.record(self._side())
+            return event
+        slot = _slot_rows(self.pool, slot_offset, hi - lo, piece)
+        n = plan.n
+        steps = []
+        for p in range(lo // n, (hi - 1) // n + 1):
+            i0, i1 = max(lo, p * n) - p * n, min(hi, (p + 1) * n) - p * n
+            a = p * n + i0 - lo
+            steps.append((plan.views[p], plan.ids[i0:i1], slot[a:a + i1 - i0]))
+        if not self.cuda:
+            for view, ids, rows in steps:
+                if direction == "gather":
+                    if self.torch:
+                        import torch
+
+                        torch.index_select(view, 0, ids, out=rows)
+                    else:
+                        view.take(ids, axis=0, out=rows, mode="clip")
+                else:
+                    view[ids] = rows
+            return None
+        import torch
+
+        with torch.cuda.stream(self._side()):
+            for view, ids, rows in steps:
+                if direction == "gather":
+                    torch.index_select(view, 0, ids, out=rows)
+                else:
+                    view.index_copy_(0, ids, rows)
+            event = torch.cuda.Event()
+            event.record(self._side())
+        return event
 
     def _copy(self, direction: str, segs: list[tuple[int, int, int]], regions: list[Any],
               pool_rows: Any, rows: Any, shift: int) -> None:
@@ -320,6 +586,75 @@ def _rows(buf: Any, granule: int) -> Any:
     if granule % 8 == 0:
         return flat.view(np.int64).reshape(-1, granule // 8)
     return flat.reshape(-1, granule)
+
+
+def _strided_rows(buf: Any, offset: int, layout: BlockLayout) -> Any:
+    """A (blocks, piece) view of `buf`'s bytes from `offset`, rows `layout.stride` apart
+    (int64 elements where everything is 8-byte aligned: faster copies)."""
+    wide = layout.piece % 8 == 0 and layout.stride % 8 == 0 and offset % 8 == 0
+    unit = 8 if wide else 1
+    shape = (layout.num_blocks, layout.piece // unit)
+    strides = (layout.stride // unit, 1)
+    if _is_torch(buf):
+        import torch
+
+        flat = buf.reshape(-1).view(torch.uint8)
+        if wide:
+            flat = flat.view(torch.int64)
+        return torch.as_strided(flat, shape, strides, offset // unit)
+    import numpy as np
+
+    flat = buf.reshape(-1).view(np.uint8)
+    if wide:
+        flat = flat.view(np.int64)
+    start = flat[offset // unit:]
+    return np.lib.stride_tricks.as_strided(
+        start, shape, (strides[0] * flat.itemsize, flat.itemsize), writeable=True)
+
+
+def _address(buf: Any) -> int:
+    if _is_torch(buf):
+        return int(buf.data_ptr())
+    return int(buf.ctypes.data)
+
+
+class _CudaMemory:
+    """Raw device memory as __cuda_array_interface__, for torch.as_tensor."""
+
+    def __init__(self, address: int, shape: tuple[int, int], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (address, False), "version": 2}
+
+
+def _raw_rows(address: int, nbytes: int, unit: int, like: Any) -> Any:
+    """A (nbytes / unit, unit) view (int64 elements) of memory from `address`, on the device
+    of `like`."""
+    shape = (nbytes // unit, unit // 8)
+    if _is_torch(like) and like.device.type == "cuda":
+        import torch
+
+        return torch.as_tensor(_CudaMemory(address, shape, "<i8"), device=like.device)
+    import ctypes
+
+    import numpy as np
+
+    raw = (ctypes.c_char * nbytes).from_address(address)
+    return np.frombuffer(raw, dtype=np.int64).reshape(shape)
+
+
+def _slot_rows(pool: Any, offset: int, rows: int, piece: int) -> Any:
+    """`rows` rows of `piece` bytes of the pool from `offset`, as a 2-D view."""
+    if _is_torch(pool):
+        import torch
+
+        flat = pool[offset:offset + rows * piece]
+        if piece % 8 == 0 and offset % 8 == 0:
+            return flat.view(torch.int64).view(rows, piece // 8)
+        return flat.view(rows, piece)
+    flat = pool[offset:offset + rows * piece]
+    if piece % 8 == 0 and offset % 8 == 0:
+        return flat.view("<i8").reshape(rows, piece // 8)
+    return flat.reshape(rows, piece)
 
 
 def allocate_pool(like: Any, nbytes: int) -> Any:
@@ -429,6 +764,40 @@ class Stager:
         self._send(job, msg)
         self._tr(job, "sent")
 
+    def post_blocks(self, peer: str, op: str, local: BlockLayout, local_ids: Any,
+                    remote: BlockLayout, remote_ids: Any, notify: bytes, transfer: Transfer,
+                    chunk_bytes: int, started: float = 0.0) -> None:
+        """Start a staged block transfer: the plan is the id arrays (no run list); the first
+        message carries the peer's layout and its block ids (4 bytes a block)."""
+        import numpy as np
+
+        self._seq += 1
+        job_id = f"{self.t.name}/{self._seq}"
+        piece = local.piece
+        chunk = chunk_bytes // piece * piece
+        nbytes = len(local.bases) * len(local_ids) * piece
+        role: Literal["send", "recv"] = "send" if op == "WRITE" else "recv"
+        job = _Job((peer, job_id), role, piece, chunk, nbytes,
+                   self.copier.plan_blocks(local, local_ids), user=transfer,
+                   notify=notify if op == "READ" else b"", touched=time.monotonic())
+        transfer.handle = job
+        self.jobs[job.key] = job
+        if self.trace is not None and started:
+            self.trace.append((started, job_id, "post"))
+        self._tr(job, "planned")
+        hdr: dict[str, Any] = {"id": job_id, "g": piece, "c": chunk, "n": nbytes,
+                               "info": self._info(), "lay": remote.to_wire()}
+        body = np.ascontiguousarray(remote_ids, dtype=np.int32).tobytes()
+        if op == "WRITE":
+            hdr["notify"] = base64.b64encode(notify).decode("ascii")
+            msg = encode("offer", hdr) + body
+        else:
+            hdr["grants"] = self._grant(job)
+            msg = encode("pull", hdr) + body
+        self._tr(job, f"encoded {len(msg)} B")
+        self._send(job, msg)
+        self._tr(job, "sent")
+
     def _info(self) -> str:
         if self._info_b64 is None:  # fetching agent metadata is not free: once
             self._info_b64 = base64.b64encode(self.t.local_info()).decode("ascii")
@@ -453,14 +822,24 @@ class Stager:
             if job is not None or runs is None or not self._know(peer, hdr):
                 return
             g, c, n = int(hdr["g"]), int(hdr["c"]), int(hdr["n"])
-            problem = self._bad_request(runs, g, c, n)
+            layout = None
+            try:
+                if "lay" in hdr:
+                    layout = BlockLayout.from_wire(hdr["lay"])
+                    problem = self._bad_block_request(layout, runs, g, c, n)
+                else:
+                    problem = self._bad_request(runs, g, c, n)
+            except (ValueError, KeyError, TypeError) as exc:
+                problem = f"unreadable block layout: {exc}"
             if problem:  # refuse before any copy: a bad index on a GPU would kill the context
                 logger.warning("%s: refusing staged %s from %s: %s", self.t.name, kind, peer,
                                problem)
                 self.t._agent_notify(peer, encode("fail", {"id": key[1], "reason": problem}))
                 return
-            job = _Job(key, "recv" if kind == "offer" else "send", g, c, n,
-                       self.copier.plan(granules_of(runs, g), g), touched=time.monotonic())
+            plan = (self.copier.plan_blocks(layout, runs) if layout is not None
+                    else self.copier.plan(granules_of(runs, g), g))
+            job = _Job(key, "recv" if kind == "offer" else "send", g, c, n, plan,
+                       touched=time.monotonic())
             self.jobs[key] = job
             self._tr(job, f"got {kind}, planned")
             if kind == "offer":
@@ -500,6 +879,20 @@ class Stager:
                          or bool(((off | n) % g).any()) or int(n.min()) <= 0):
             return "a run is outside our KV memory or not granule-aligned"
         return ""
+
+    def _bad_block_request(self, layout: BlockLayout, ids: Any, piece: int, chunk: int,
+                           nbytes: int) -> str:
+        """Why a peer's block request cannot be served here ("" when it can)."""
+        if piece != layout.piece or chunk <= 0 or chunk % piece or chunk > self.slot_bytes:
+            return (f"piece {piece} / chunk {chunk} does not fit our {self.slot_bytes}-byte "
+                    f"slots or the layout's {layout.piece}-byte pieces")
+        if nbytes != len(layout.bases) * len(ids) * piece:
+            return "the block count and layout do not add up to the transfer's bytes"
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
+            return f"a block id is outside 0..{layout.num_blocks - 1}"
+        if max(layout.bases) + layout.span > self.pool_offset:
+            return "the block layout reaches past our KV memory"
+        return self.copier.region_of(layout)
 
     def _know(self, peer: str, hdr: dict[str, Any]) -> bool:
         """The initiator's handshake rides on its first message, so a holder that never
@@ -555,6 +948,7 @@ class Stager:
                     continue
                 lo, hi = job.span(k)
                 length = (hi - lo) * job.granule
+                self._tr(job, f"gathered {k}")
                 handle = self.t._post_raw(job.key[0], "WRITE",
                                           [(self.pool_offset + slot * self.slot_bytes,
                                             remote_off, length)],

@@ -18,6 +18,9 @@ How it works:
   (`make_prepped_xfer`): cheap per request. Runs `(local_offset, remote_offset, length)` are
   merged first where they continue each other on both sides; NIXL merges adjacent granules again.
   Every offset and length must be a multiple of that granule.
+- `post_blocks` does the same for whole KV blocks, from two block-id arrays and each side's
+  `BlockLayout` (where piece p of block b lies): no run list is built for a staged transfer,
+  which is how the connector's worker posts (live/staging.py has the block path).
 - `post` starts a WRITE (local -> peer) or READ (peer -> local) and returns a `Transfer`;
   `wait`/`poll` finish it. A WRITE's notification message reaches the peer only after its data
   has landed: the target treats the notification as completion (`wait_notification`).
@@ -71,9 +74,12 @@ from kvplane.live.nixl_env import import_nixl_api, nixl_errors
 from kvplane.live.staging import (
     DEFAULT_COSTS,
     MAGIC,
+    BlockLayout,
     Stager,
     StagingConfig,
     allocate_pool,
+    block_descriptors,
+    block_runs_array,
 )
 
 Op = Literal["WRITE", "READ"]
@@ -526,7 +532,97 @@ class Transport:
                 t.finish(Status.DONE)
             return t
 
-    def method_for(self, peer: str, nbytes: int, descriptors: int) -> str:
+    def post_blocks(self, peer: str, op: Op, local: BlockLayout, local_blocks: Any,
+                    remote: BlockLayout, remote_blocks: Any, *,
+                    notify: bytes = b"") -> Transfer:
+        """`post` for whole KV blocks: block `local_blocks[i]` of our `local` layout to (WRITE)
+        or from (READ) block `remote_blocks[i]` of the peer's `remote` layout, every piece
+        group. Planned from the two id arrays with numpy (no run list; the pairs are sorted by
+        our block id): direct runs are merged at block level, a staged job carries only the
+        peer's block ids. The same method choice, failures-as-values and completion rules as
+        `post`; bad ids or a layout outside either side's KV memory raise TransportError."""
+        import numpy as np
+
+        if op not in ("WRITE", "READ"):
+            raise TransportError(f"op must be WRITE or READ, not {op!r}")
+        started = time.perf_counter()
+        lid = np.asarray(local_blocks, dtype=np.int64).ravel()
+        rid = np.asarray(remote_blocks, dtype=np.int64).ravel()
+        self._check_blocks(local, lid, remote, rid)
+        if len(lid) > 1 and not (lid[1:] >= lid[:-1]).all():
+            # Our blocks in ascending order (as `post` sorts runs): our copies walk memory
+            # forwards, and blocks handed out in descending order (vLLM's LIFO reuse) merge.
+            order = np.argsort(lid, kind="stable")
+            lid, rid = lid[order], rid[order]
+        nbytes = len(local.bases) * len(lid) * local.piece
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is None:
+                t = Transfer(peer, op, nbytes, 0)
+                t.finish(Status.FAILED, f"unknown peer {peer!r}")
+                return t
+            self._check_layouts(local, remote, p)
+            t = Transfer(peer, op, nbytes, block_descriptors(local, lid, remote, rid))
+            if not len(lid):
+                t.finish(Status.DONE)
+                return t
+            chunk = min(self._slot_bytes, p.info.staging_slot) // local.piece * local.piece
+            if chunk and self.method_for(peer, nbytes, t.descriptors, runs=len(lid)) == "staged":
+                assert self._stager is not None
+                t.method, t.descriptors = "staged", -(-nbytes // chunk)
+                self._stager.post_blocks(peer, op, local, lid, remote, rid, notify, t, chunk,
+                                         started)
+                return t
+            self._post_direct(t, p, block_runs_array(local, lid, remote, rid), notify)
+            return t
+
+    @staticmethod
+    def _check_blocks(local: BlockLayout, lid: Any, remote: BlockLayout, rid: Any) -> None:
+        if len(lid) != len(rid):
+            raise TransportError(f"{len(lid)} local blocks but {len(rid)} remote ones")
+        if (local.piece, len(local.bases)) != (remote.piece, len(remote.bases)):
+            raise TransportError(
+                f"block layouts differ: ours {len(local.bases)} pieces of {local.piece} B, "
+                f"peer's {len(remote.bases)} of {remote.piece} B")
+        for name, ids, lay in (("local", lid, local), ("remote", rid, remote)):
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= lay.num_blocks):
+                raise TransportError(f"a {name} block id is outside 0..{lay.num_blocks - 1}")
+
+    def _check_layouts(self, local: BlockLayout, remote: BlockLayout, p: _Peer) -> None:
+        g = p.granule
+        peer_kv = p.info.size - (p.info.regions[-1].length if p.info.staging_slot > 0 else 0)
+        for name, lay, size in (("local", local, self._kv_size()), ("remote", remote, peer_kv)):
+            if lay.piece % g or lay.stride % g or any(b % g for b in lay.bases):
+                raise TransportError(f"{name} block layout is not aligned to the {g}-byte "
+                                     "granule")
+            if max(lay.bases) + lay.span > size:
+                raise TransportError(f"{name} block layout reaches past the registered KV "
+                                     f"memory ({size} bytes)")
+
+    def _kv_size(self) -> int:
+        """Bytes of our registered KV regions (the staging pool, last, not counted)."""
+        if self._stager is not None:
+            return self._stager.pool_offset
+        return self.size
+
+    def _post_direct(self, t: Transfer, p: _Peer, merged: Any, notify: bytes) -> None:
+        local_idx, remote_idx = self._indices(merged, p)
+        try:
+            t.handle = self._agent.make_prepped_xfer(t.op, p.local_dlist, local_idx,
+                                                     p.remote_dlist, remote_idx, notify)
+            state = self._agent.transfer(t.handle)
+        except self._errors as exc:
+            self._release(t)
+            t.finish(Status.FAILED, f"post failed: {_why(exc)}")
+            return
+        if state == "ERR":
+            self._release(t)
+            t.finish(Status.FAILED, "NIXL reported an error when posting")
+        elif state == "DONE":
+            self._release(t)
+            t.finish(Status.DONE)
+
+    def method_for(self, peer: str, nbytes: int, descriptors: int, *, runs: int = -1) -> str:
         """"direct" or "staged": what `post` would do for a transfer of this shape."""
         cfg, p = self._staging, self._peers.get(peer)
         available = (self._stager is not None and p is not None and p.info.staging_slot > 0)
@@ -535,7 +631,8 @@ class Transport:
         if cfg is None:
             return "direct"
         costs = cfg.costs or DEFAULT_COSTS[self.mem_kind]
-        return choose(costs, nbytes, descriptors, staging_available=available)
+        return choose(costs, nbytes, descriptors, staging_available=available,
+                      runs=descriptors if runs < 0 else runs)
 
     def poll(self, transfer: Transfer) -> Status:
         """One non-blocking look at a transfer; also drains notifications into the inbox."""

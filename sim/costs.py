@@ -56,10 +56,11 @@ __all__ = [
 ]
 
 KV_PARTS = 2  # K and V are stored (and described) separately in every layer
-STAGING_SLOT_BYTES = 64 << 20  # live/staging.py's default slot: the staged pipeline's chunk
+STAGING_SLOT_BYTES = 256 << 20  # live/staging.py's GPU slot: the staged pipeline's chunk
 # The live staged path's own software, as benchmarks/transfer_fragmented.py --trace measured it
-# on one H200 (docs/measurements/transfer-fragmented-h200.md): a fixed part per transfer and
-# planning per run on each side.
+# on one H200 (docs/measurements/transfer-fragmented-h200.md): a fixed part per transfer (post
+# to the first gather, about 1 ms) and planning per block on each side (the connector posts
+# block ids: `Transport.post_blocks` plans from them, whatever the layer count).
 STAGED_FIXED_S = 1e-3
 PLAN_PER_RUN_S = 0.15e-6
 
@@ -556,12 +557,16 @@ class TransferCost:
         )
 
     def chosen_transfer(self, bytes_per_rank: float, descriptors: int,
-                        costs: MethodCosts) -> tuple[Method, float]:
-        """Post plus wire by the method the live transport would choose, and that method."""
-        method = choose(costs, int(bytes_per_rank), descriptors, staging_available=True)
+                        costs: MethodCosts, blocks: int | None = None) -> tuple[Method, float]:
+        """Post plus wire by the method the live transport would choose, and that method.
+        `blocks`: what the staged path plans per item (the live connector plans from block
+        ids; None: per descriptor, as a run list would be)."""
+        planned = descriptors if blocks is None else blocks
+        method = choose(costs, int(bytes_per_rank), descriptors, staging_available=True,
+                        runs=planned)
         if method == "staged":
             return method, self.post_fixed + self.latency + staged_time(
-                costs, int(bytes_per_rank), descriptors)
+                costs, int(bytes_per_rank), planned)
         return method, self.transfer_time(bytes_per_rank, descriptors)
 
     def kv_timing(
@@ -687,17 +692,24 @@ class SimCosts:
         per_stream = -(-self._regions(descriptors) // streams)
         if self.staging:
             return self.transfer.chosen_transfer(nbytes / streams, per_stream,
-                                                 self.method_costs)[1]
+                                                 self.method_costs,
+                                                 self._blocks(per_stream))[1]
         return self.transfer.wire_time(nbytes / streams, per_stream)
+
+    def _blocks(self, descriptors: int) -> int:
+        """Block runs behind `descriptors` (one descriptor per run, layer and region): what the
+        live connector's staged path plans from."""
+        g = self.prefill.geometry
+        return max(1, -(-descriptors // (g.num_layers * g.parts)))
 
     def transfer_method(self, nbytes: int, descriptors: int, streams: int) -> Method:
         """"direct" or "staged": what transfer_time priced (always "direct" without staging)."""
         if not self.staging:
             return "direct"
         streams = max(1, streams)
-        return self.transfer.chosen_transfer(nbytes / streams,
-                                             -(-self._regions(descriptors) // streams),
-                                             self.method_costs)[0]
+        per_stream = -(-self._regions(descriptors) // streams)
+        return self.transfer.chosen_transfer(nbytes / streams, per_stream, self.method_costs,
+                                             self._blocks(per_stream))[0]
 
     def handshake_time(self) -> float:
         """First contact: metadata round trip, add_remote_agent, and preparing the peer's

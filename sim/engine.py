@@ -20,6 +20,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -147,6 +148,12 @@ class SimRequest:
     cached: int = 0
     ok: bool = True
     itl: list[tuple[float, int]] = field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=64)
+def _fan_out(src: KVLayout, dst: KVLayout) -> tuple[Any, ...]:
+    """The core's rank fan-out, a function of the two layouts only: computed once per pair."""
+    return tuple(fan_out(src, dst))
 
 
 def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
@@ -653,7 +660,7 @@ class DecodeInstance(Instance):
 
     def on_notifications(self, r: SimRequest) -> None:
         pf = self.sim.prefills[r.prefill]
-        for s in fan_out(pf.layout, self.layout):
+        for s in _fan_out(pf.layout, self.layout):
             for e in self.do(D.Notify(r.id, 0, s.src_rank, s.dst_rank)):
                 if isinstance(e, KVReceived):
                     self.kv_ready(r)
@@ -1001,6 +1008,10 @@ class Simulation:
         self.rec: Record = record or (lambda e: None)
         self.requests: dict[str, SimRequest] = {}
         self.done: list[SimRequest] = []
+        self.finished_count = 0
+        # where finished requests go instead of `done` (a streaming summary keeps aggregates,
+        # so memory stays flat over a long run)
+        self.sink: Callable[[SimRequest], None] | None = None
         self.prefills = {f"prefill-{i}": PrefillInstance(self, f"prefill-{i}")
                          for i in range(cfg.num_prefill)}
         self.decodes = {f"decode-{i}": DecodeInstance(self, f"decode-{i}")
@@ -1022,7 +1033,11 @@ class Simulation:
 
     def finished(self, r: SimRequest) -> None:
         self.requests.pop(r.id, None)
-        self.done.append(r)
+        self.finished_count += 1
+        if self.sink is None:
+            self.done.append(r)
+        else:
+            self.sink(r)
         self.rec(RequestFinished(
             at=r.finish, instance=r.decode, request=r.id, output_tokens=r.output,
             ttft=r.first_token - r.arrival,

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import MultiTurnWorkload, Point, PoissonWorkload, Scenario, Sweep, load_scenario
+from .engines import check_engine, map_ordered
 from .runner import simulate
 
 #: progress(done, total) as simulations finish.
@@ -268,18 +269,28 @@ def _trial(args: tuple[Point, Candidate, int, float, dict[str, float]]) -> Trial
 
 
 class _Pool:
-    """Runs trials in processes (or inline for jobs=1), reporting progress."""
+    """Runs trials on an engine (`engines.py`: local processes, inline for one job, or Ray
+    tasks), reporting progress. The local process pool lives for the whole search."""
 
-    def __init__(self, jobs: int, progress: Progress | None) -> None:
+    def __init__(self, jobs: int, progress: Progress | None, engine: str = "local",
+                 address: str | None = None) -> None:
+        check_engine(engine, address)
         self.jobs = jobs or (os.cpu_count() or 1)
+        self.engine, self.address = engine, address
         self.progress = progress
         self.done = 0
         self.total = 0
-        self._pool = ProcessPoolExecutor(max_workers=self.jobs) if self.jobs > 1 else None
+        self._pool = (ProcessPoolExecutor(max_workers=self.jobs)
+                      if engine == "local" and self.jobs > 1 else None)
 
     def run(self, work: list[Any]) -> list[Trial]:
         out = []
-        it = self._pool.map(_trial, work) if self._pool and len(work) > 1 else map(_trial, work)
+        if self.engine != "local":
+            it = map_ordered(_trial, work, engine=self.engine, address=self.address)
+        elif self._pool and len(work) > 1:
+            it = self._pool.map(_trial, work)
+        else:
+            it = map(_trial, work)
         for t in it:
             out.append(t)
             self.done += 1
@@ -296,7 +307,8 @@ def plan(scenario: str | Scenario, *, ttft_p90_ms: float, tpot_p90_ms: float,
          rate: float | None = None, input_len: int | None = None,
          output_len: int | None = None, requests: int | None = None, seeds: int = 3,
          max_instances: int = 8, gpu_hour_price: float | None = None, jobs: int = 0,
-         curve: bool = True, progress: Progress | None = None) -> PlanResult:
+         curve: bool = True, progress: Progress | None = None, engine: str = "local",
+         address: str | None = None) -> PlanResult:
     """Search xPyD and connector settings for the cheapest one meeting the SLO (module doc)."""
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     w = plan_workload(sc, rate=rate, input_len=input_len, output_len=output_len,
@@ -306,7 +318,7 @@ def plan(scenario: str | Scenario, *, ttft_p90_ms: float, tpot_p90_ms: float,
                         max_instances=max_instances, prefill_tp=sc.prefill_tp,
                         decode_tp=sc.decode_tp)
     levels = _candidates(sc, max_instances)
-    pool = _Pool(jobs, progress)
+    pool = _Pool(jobs, progress, engine, address)
     # the progress total is an upper bound that shrinks when the search stops early
     pool.total = sum(len(c) for c in levels.values()) * len(w.seeds)
     try:
@@ -358,8 +370,10 @@ def _verdict(c: Candidate, gpus: int, trials: list[Trial], slo: dict[str, float]
 
 def search(scenario: str | Scenario, *, ttft_p90_ms: float, tpot_p90_ms: float,
            qps: float | None = None, max_instances: int = 8, jobs: int = 0,
-           seeds: int = 1) -> tuple[str, bool]:
+           seeds: int = 1, engine: str = "local",
+           address: str | None = None) -> tuple[str, bool]:
     """`plan` as text and whether a configuration was found (no attainment curve)."""
     res = plan(scenario, ttft_p90_ms=ttft_p90_ms, tpot_p90_ms=tpot_p90_ms, rate=qps,
-               max_instances=max_instances, jobs=jobs, seeds=seeds, curve=False)
+               max_instances=max_instances, jobs=jobs, seeds=seeds, curve=False,
+               engine=engine, address=address)
     return res.text(), res.found

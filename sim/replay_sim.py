@@ -283,10 +283,10 @@ def _run_until(sim: Simulation, done_event: Any, total: int, progress: Progress 
             break  # nothing left to happen: a stuck workload; summarize() says what finished
         env.step()
         steps += 1
-        if steps % 2000 == 0 and len(sim.done) != last:
-            last = len(sim.done)
+        if steps % 2000 == 0 and sim.finished_count != last:
+            last = sim.finished_count  # not len(sim.done): a long run streams (runner.py)
             progress(last, total, what)
-    progress(len(sim.done), total, what)
+    progress(sim.finished_count, total, what)
 
 
 def _summary(sim: Simulation, warmup: float, wall: float, simulated: float) -> dict[str, Any]:

@@ -12,10 +12,8 @@ Rules kept here:
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +24,7 @@ from kvplane.core.routing import Policy
 from .config import Point, Scenario, load_scenario
 from .costs import SimCosts
 from .engine import EngineConfig, SimRequest, Simulation
-from .metrics import summarize
+from .metrics import StreamingSummary, summarize
 from .workloads import Request, RequestBatch, requests_for_point
 
 
@@ -106,7 +104,7 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
     def finished(nxt: Any) -> None:
         for n in nxt:
             release_later(n)
-        if len(sim.done) >= total and not all_done.triggered:
+        if sim.finished_count >= total and not all_done.triggered:
             all_done.succeed()
 
     def release_later(q: Request) -> None:
@@ -122,16 +120,29 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
     return all_done
 
 
+STREAM_ABOVE = 100_000  # requests; a longer run streams its finished requests by default
+
+
 def simulate(point: Point, record: Callable[[Any], None] | None = None,
              drain: bool = True,
              run: Callable[[Simulation, Any, int], None] | None = None,
+             stream: bool | None = None,
              ) -> tuple[Simulation, dict[str, Any]]:
     """Run one point; return the simulation and its summary (the JSON shape of a point).
-    `run(sim, all_done, total)` replaces `env.run(until=all_done)` (to report progress)."""
+    `run(sim, all_done, total)` replaces `env.run(until=all_done)` (to report progress).
+    `stream`: keep aggregates of finished requests, not the requests (`sim.done` stays
+    empty), so memory stays flat over a long run (`metrics.StreamingSummary`); by default
+    only for runs of more than `STREAM_ABOVE` requests."""
     costs = SimCosts.from_scenario(point.scenario)
     cfg = engine_config(point, costs)
     sim = Simulation(cfg, costs, record)
     batch = requests_for_point(point)
+    if stream is None:
+        stream = len(batch) > STREAM_ABOVE
+    streamed = None
+    if stream:
+        streamed = StreamingSummary(cfg.decode_layout.block_size)
+        sim.sink = streamed.add
     all_done = feed(sim, batch, cfg.decode_layout.block_size)
     wall = time.perf_counter()
     if run is None:
@@ -144,9 +155,14 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
     wall = time.perf_counter() - wall
     sc = point.scenario
     warm = sc.warmup_requests / max(len(batch), 1)
-    stats = summarize(sim.done, warmup=warm)
-    runs = [r.runs for r in sim.done if r.runs]
-    blocks = [-(-r.prompt // cfg.decode_layout.block_size) for r in sim.done if r.runs]
+    if streamed is not None:
+        stats = streamed.result(warmup=warm)
+        mean_run_blocks = stats.pop("mean_run_blocks")
+    else:
+        stats = summarize(sim.done, warmup=warm)
+        runs = [r.runs for r in sim.done if r.runs]
+        blocks = [-(-r.prompt // cfg.decode_layout.block_size) for r in sim.done if r.runs]
+        mean_run_blocks = float(np.sum(blocks) / np.sum(runs)) if runs else None
     summary: dict[str, Any] = {
         "label": point.label,
         "mode": point.mode,
@@ -159,16 +175,17 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
         "rate_unit": ("conversations/s" if sc.workload.kind == "multi_turn" else
                       "requests/s"),
         **stats,
-        "mean_run_blocks": float(np.sum(blocks) / np.sum(runs)) if runs else None,
+        "mean_run_blocks": mean_run_blocks,
         "simulated_s": simulated,
         "wall_s": wall,
-        "finished": len(sim.done),
+        "finished": sim.finished_count,
         "submitted": len(batch),
     }
     return sim, summary
 
 
 def _run_point(args: tuple[Point, str | None, str | None]) -> dict[str, Any]:
+    """A local worker's point: it records straight into the store by URL."""
     point, db, parent = args
     if db is None or parent is None:
         return simulate(point)[1]
@@ -186,11 +203,66 @@ def _run_point(args: tuple[Point, str | None, str | None]) -> dict[str, Any]:
     return summary
 
 
+def _run_point_collecting(args: tuple[Point, bool]) -> tuple[dict[str, Any], list[Any]]:
+    """A Ray task's point: a cluster node may not reach the driver's store (a SQLite file on
+    the driver's disk, say), so the events come back with the summary, already checked and
+    encoded where they were made, and the driver writes them."""
+    point, record = args
+    if not record:
+        return simulate(point)[1], []
+    from kvplane.store.encoding import encode_event
+
+    rows: list[Any] = []
+    add, enc = rows.append, encode_event
+    _, summary = simulate(point, lambda e: add(enc(e)))
+    return summary, rows
+
+
+def _gather_ray(points: list[Point], db: str | None, record: bool, parent: str | None,
+                address: str | None, bar: Any) -> list[dict[str, Any]]:
+    from .engines import map_ordered
+
+    results: list[dict[str, Any]] = []
+    work = [(p, record) for p in points]
+    store = None
+    if record:
+        from kvplane.store import open_store
+
+        store = open_store(db)  # the URL as given: `store.url` hides a password
+    try:
+        for point, (summary, rows) in zip(
+                points, map_ordered(_run_point_collecting, work, engine="ray",
+                                    address=address), strict=True):
+            if store is not None:
+                run_id = store.create_run(
+                    "sim", f"{point.scenario.name}:{point.label}", parent=parent,
+                    meta={"point": point.label, "seed": point.seed})
+                for i in range(0, len(rows), _GATHER_BATCH):
+                    store.append_encoded(run_id, rows[i:i + _GATHER_BATCH])
+                summary["run_id"] = run_id
+            results.append(summary)
+            bar.update(1)
+    finally:
+        if store is not None:
+            store.close()
+    return results
+
+
+_GATHER_BATCH = 5000
+
+
 def run_scenario(scenario: str | Scenario, *, db: str | None = None, seed: int | None = None,
                  jobs: int = 0, record: bool = True, progress: bool = True,
-                 requests: int | None = None) -> dict[str, Any]:
+                 requests: int | None = None, engine: str = "local",
+                 address: str | None = None) -> dict[str, Any]:
     """Run every point of a scenario; record each under a child of one sweep run.
-    `seed` and `requests` (per point) override the scenario's."""
+
+    `seed` and `requests` (per point) override the scenario's. `engine` is where points run
+    (`local` processes or `ray` tasks, see `engines.py`); the numbers and the recorded events
+    are the same either way."""
+    from .engines import check_engine, map_ordered
+
+    check_engine(engine, address)
     sc = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     if seed is not None:
         sc = sc.model_copy(update={"seed": seed})
@@ -208,19 +280,15 @@ def run_scenario(scenario: str | Scenario, *, db: str | None = None, seed: int |
             parent = store.create_run("sim", sc.name, meta={
                 "points": len(points), "seed": sc.seed,
                 "scenario": sc.model_dump(mode="json")})
-    work = [(p, url if record else None, parent) for p in points]
-    jobs = jobs or min(len(points), os.cpu_count() or 1)
-    results: list[dict[str, Any]] = []
     bar = _progress(len(points), f"simulating {sc.name}", progress)
-    if jobs <= 1 or len(points) == 1:
-        for w in work:
-            results.append(_run_point(w))
-            bar.update(1)
+    if engine == "ray":
+        results = _gather_ray(points, db, record, parent, address, bar)
     else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for res in pool.map(_run_point, work):
-                results.append(res)
-                bar.update(1)
+        results = []
+        work = [(p, url if record else None, parent) for p in points]
+        for res in map_ordered(_run_point, work, jobs=jobs):
+            results.append(res)
+            bar.update(1)
     bar.close()
     return {"run_id": parent, "db": url, "scenario": sc.name, "seed": sc.seed,
             "points": results}

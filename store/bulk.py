@@ -12,8 +12,9 @@ Rules kept here:
   executemany; while the recording thread is busy, the writer then waits for the GIL on every
   row (measured: 130 us a row instead of 6). One statement per few thousand rows lets go
   once, and SQLite does the whole chunk in parallel with the caller.
-- Payloads are serialised once, here, with the standard `json` module; both backends read
-  them back through SQLAlchemy's JSON type, so the write path and the read path agree.
+- Payloads arrive as JSON text from `encoding.encode_event` (`payload_json`), else are
+  serialised here with the standard `json` module; both backends read them back through
+  SQLAlchemy's JSON type, so the write path and the read path agree.
 """
 
 from __future__ import annotations
@@ -47,16 +48,19 @@ def bulk_insert(conn: Connection, run_id: str, first: int, rows: Sequence[Encode
     else:
         conn.execute(
             insert(events_table),
-            [{**row, "run": run_id, "seq": first + i} for i, row in enumerate(rows)],
+            [{"run": run_id, "seq": first + i, "time": row["time"], "type": row["type"],
+              "request": row["request"], "instance": row["instance"], "payload": row["payload"]}
+             for i, row in enumerate(rows)],
         )
 
 
 def _tuples(run_id: str, first: int, rows: Sequence[EncodedEvent]) -> list[tuple[Any, ...]]:
     dumps = _dumps
     return [
-        (run_id, first + i, r["time"], r["type"], r["request"], r["instance"], dumps(r["payload"]))
+        (run_id, first + i, r["time"], r["type"], r["request"], r["instance"],
+         r["payload_json"] if "payload_json" in r else dumps(r["payload"]))
         for i, r in enumerate(rows)
-    ]
+    ]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)

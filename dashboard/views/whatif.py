@@ -172,7 +172,7 @@ def render(url: str, table: pd.DataFrame) -> None:
         burst = c2.number_input("Burstiness (gamma shape; 1 = Poisson)", 0.01, 100.0,
                                 k0["burstiness"], disabled=base["workload"]["kind"] != "poisson",
                                 key=k("burst"))
-        requests = c2.number_input("Requests (both arms)", 1, 100_000, k0["requests"], step=10,
+        requests = c2.number_input("Requests (both arms)", 1, 1_000_000, k0["requests"], step=10,
                                    key=k("requests"))
         in0, out0 = k0["input_len"], k0["output_len"]
         in_len = c3.number_input("Input length (first prompt)", 1, 1_000_000, max(in0, 1),

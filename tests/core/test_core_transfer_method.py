@@ -71,3 +71,16 @@ def test_the_choice_is_the_cheaper_estimate(nbytes: int, descriptors: int) -> No
     got = choose(GPU, nbytes, descriptors, staging_available=True)
     d, s = direct_time(GPU, nbytes, descriptors), staged_time(GPU, nbytes, descriptors)
     assert got == ("staged" if s < STAGING_MARGIN * d else "direct")
+
+
+def test_block_level_planning_is_charged_per_block_not_per_descriptor() -> None:
+    # planning per item dominates a mid-size transfer: charged per run list entry it keeps the
+    # transfer direct, charged per block (what post_blocks plans from) it stages
+    slow_plan = MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.5e12,
+                            round_trip=150e-6, chunk_bytes=256 * MiB, overlap=True,
+                            staged_fixed=1e-3, plan_per_run=20e-6)
+    nbytes, descriptors, blocks = 512 * MiB, 4096, 64
+    assert choose(slow_plan, nbytes, descriptors, staging_available=True) == "direct"
+    assert choose(slow_plan, nbytes, descriptors, staging_available=True,
+                  runs=blocks) == "staged"
+    assert staged_time(slow_plan, nbytes, blocks) < direct_time(slow_plan, nbytes, descriptors)

@@ -19,14 +19,17 @@ import pytest
 
 from kvplane.core.transfer_method import MethodCosts
 from kvplane.live.staging import (
+    BlockLayout,
     StagingConfig,
+    block_descriptors,
+    block_runs_array,
     costs_from_profile,
     decode,
     encode,
     granules_of,
     staging_for,
 )
-from kvplane.live.transport import Status, Transport
+from kvplane.live.transport import Status, Transport, TransportError
 
 pytestmark = pytest.mark.live
 
@@ -259,6 +262,118 @@ def test_a_dead_peer_fails_the_staged_transfer_and_leaks_no_slot(
     finally:
         t.remove_peer(doomed.name)
         doomed.stop()
+
+
+# ---- block-level transfers (post_blocks) ---------------------------------------------------------
+
+# Four piece groups ("layers") of 128 blocks of one granule each, side by side: block b of group p
+# at p * 512 KiB + b * G. A strided variant leaves a gap after every piece (no merging).
+DENSE = BlockLayout(tuple(p * (SIZE // 4) for p in range(4)), G, G, 128)
+STRIDED = BlockLayout(tuple(p * (SIZE // 4) for p in range(4)), 2 * G, G, 64)
+
+
+def block_offsets(layout: BlockLayout, ids: np.ndarray) -> list[int]:
+    """Byte offsets of every piece, piece group outermost, in id order (the stream order)."""
+    return [int(b + i * layout.stride) for b in layout.bases for i in ids]
+
+
+def picked(seed: int, layout: BlockLayout, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.choice(layout.num_blocks, n, replace=False),
+            rng.choice(layout.num_blocks, n, replace=False))
+
+
+@pytest.fixture(scope="module")
+def blocks() -> Iterator[tuple[Transport, np.ndarray, Peer]]:
+    """A pair of its own: the dead-peer test leaves the shared parent's receive slots resting."""
+    t, buf = _parent("staged")
+    p = Peer(t, f"kvplane-stage-blocks-{os.getpid()}", seed=15)
+    yield t, buf, p
+    p.stop()
+    t.close()
+
+
+@pytest.mark.parametrize("layout", [DENSE, STRIDED], ids=["dense", "strided"])
+@pytest.mark.parametrize("span", ["1", "0"], ids=["one-copy", "per-group"])
+def test_staged_block_write_and_read_land_every_piece(
+        blocks: tuple[Transport, np.ndarray, Peer], layout: BlockLayout, span: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    t, buf, peer = blocks
+    stager = t._stager
+    assert stager is not None
+    monkeypatch.setenv("KVPLANE_STAGING_SPAN", span)
+    stager.copier._spans.pop(layout, None)  # decide again under this setting (ours only)
+    buf[:] = pattern(SIZE, 41)
+    ours, theirs = picked(11, layout, 50)
+    res = t.wait(t.post_blocks(peer.name, "WRITE", layout, ours, layout, theirs,
+                               notify=b"blocks-1"), TIMEOUT)
+    assert res.status is Status.DONE and res.method == "staged", res
+    assert res.descriptors == 13  # 4 groups x 50 pieces = 200 granules, 16 per slot
+    assert (stager.copier._spans[layout] is not None) == (span == "1")
+    assert peer.ask(t, "notif", b"blocks-1", TIMEOUT) == b"blocks-1"
+    sent = b"".join(buf[o:o + G].tobytes() for o in block_offsets(layout, ours))
+    assert peer.ask(t, "pieces", block_offsets(layout, theirs)) == sent
+    # and back: a staged READ of other blocks, written by the holder, scattered here
+    buf[:] = 0
+    ours, theirs = picked(12, layout, 40)
+    res = t.wait(t.post_blocks(peer.name, "READ", layout, ours, layout, theirs), TIMEOUT)
+    assert res.status is Status.DONE and res.method == "staged", res
+    expected = peer.ask(t, "pieces", block_offsets(layout, theirs))
+    assert b"".join(buf[o:o + G].tobytes() for o in block_offsets(layout, ours)) == expected
+    touched = set(block_offsets(layout, ours))
+    assert not any(buf[o:o + G].any() for o in range(0, SIZE, G) if o not in touched)
+    assert peer.ask(t, "slots") == (2, 2, 0)
+
+
+def test_direct_block_write_merges_consecutive_blocks() -> None:
+    t, buf = _parent("direct")
+    peer = Peer(t, f"kvplane-stage-bdirect-{os.getpid()}", seed=13)
+    try:
+        buf[:] = pattern(SIZE, 43)
+        ours = np.array([5, 6, 7, 100, 3])
+        theirs = np.array([20, 21, 22, 50, 51])  # 5->20..7->22 merge; 100->50, 3->51 do not
+        res = t.wait(t.post_blocks(peer.name, "WRITE", DENSE, ours, DENSE, theirs), TIMEOUT)
+        assert res.status is Status.DONE and res.method == "direct", res
+        assert res.descriptors == 4 * 3
+        sent = b"".join(buf[o:o + G].tobytes() for o in block_offsets(DENSE, ours))
+        assert peer.ask(t, "pieces", block_offsets(DENSE, theirs)) == sent
+    finally:
+        peer.stop()
+        t.close()
+
+
+def test_bad_block_transfers_are_refused(blocks: tuple[Transport, np.ndarray, Peer]) -> None:
+    t, _, peer = blocks
+    with pytest.raises(TransportError, match="outside"):
+        t.post_blocks(peer.name, "WRITE", DENSE, np.array([128]), DENSE, np.array([0]))
+    with pytest.raises(TransportError, match="2 local blocks but 1"):
+        t.post_blocks(peer.name, "WRITE", DENSE, np.array([0, 1]), DENSE, np.array([0]))
+    huge = BlockLayout((SIZE - G,), G, G, 2)  # its second block is in the staging pool
+    with pytest.raises(TransportError, match="past the registered KV memory"):
+        t.post_blocks(peer.name, "WRITE", huge, np.array([1]), huge, np.array([1]))
+    stager = t._stager
+    assert stager is not None
+    ids = np.array([0, 127])
+    assert stager._bad_block_request(DENSE, ids, G, SLOT, 8 * G) == ""
+    assert "block id" in stager._bad_block_request(DENSE, np.array([128]), G, SLOT, 4 * G)
+    assert "add up" in stager._bad_block_request(DENSE, ids, G, SLOT, 4 * G)
+    assert "slots" in stager._bad_block_request(DENSE, ids, G, 2 * SLOT, 8 * G)
+    assert "past our KV memory" in stager._bad_block_request(huge, ids[:1], G, SLOT, G)
+
+
+def test_block_runs_merge_only_where_both_sides_continue() -> None:
+    ours, theirs = np.array([5, 6, 7, 100, 3]), np.array([20, 21, 22, 50, 51])
+    runs = block_runs_array(DENSE, ours, DENSE, theirs)
+    assert block_descriptors(DENSE, ours, DENSE, theirs) == len(runs) == 12
+    first = [tuple(r) for r in runs[:3].tolist()]
+    assert first == [(5 * G, 20 * G, 3 * G), (100 * G, 50 * G, G), (3 * G, 51 * G, G)]
+    assert runs[3][0] == DENSE.bases[1] + 5 * G  # the next piece group, same pattern
+    strided = block_runs_array(STRIDED, ours[:3], STRIDED, theirs[:3] - 10)
+    assert len(strided) == 12 and (strided[:, 2] == G).all()  # gaps: never merged
+    with pytest.raises(ValueError, match="stride >= piece"):
+        BlockLayout((0,), G, 2 * G, 4)
+    wire = BlockLayout.from_wire(STRIDED.to_wire())
+    assert wire == STRIDED
 
 
 # ---- pieces without NIXL --------------------------------------------------------------------------

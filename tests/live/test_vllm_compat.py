@@ -24,7 +24,13 @@ from typing import Any
 import pytest
 
 from kvplane.live import vllm_compat
-from kvplane.live.connector_worker import Geometry, byte_runs, cache_region, cache_regions
+from kvplane.live.connector_worker import (
+    Geometry,
+    block_ids,
+    byte_runs,
+    cache_region,
+    cache_regions,
+)
 from kvplane.live.transport import Status, Transport, TransportError, nixl_backend
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "vllm_api"
@@ -221,9 +227,38 @@ def test_real_nixl_moves_hnd_blocks_byte_for_byte() -> None:
         for name in src:
             assert torch.equal(dst[name][1], src[name][3])
             assert not dst[name][0].any() and not dst[name][2].any()
+        # the connector's own path: block ids, planned at block level
+        ours, theirs = block_ids([(4, 2, 1)], geo["dst"], geo["src"], local_is_src=False)
+        t = transports["dst"].post_blocks(peer, "READ", geo["dst"].layout(), ours,
+                                          geo["src"].layout(), theirs)
+        deadline = time.monotonic() + 30
+        while transports["dst"].poll(t) is Status.PENDING and time.monotonic() < deadline:
+            transports["src"].progress()
+        assert t.result is not None and t.result.ok, t.result
+        for name in src:
+            assert torch.equal(dst[name][2], src[name][4])
+            assert not dst[name][0].any() and not dst[name][3].any()
     finally:
         for tr in transports.values():
             tr.close()
+
+
+def test_block_ids_cover_the_same_bytes_as_byte_runs() -> None:
+    from kvplane.live.staging import block_runs_array
+
+    g = Geometry((3 * 4096 * 10,) * 2, 3 * 4096, 2 * 4096, 10)  # strided: a gap per block
+    orders = [(3, 1, 2), (7, 5, 1), (0, 9, 1)]
+    ours, theirs = block_ids(orders, g, g, local_is_src=True)
+    assert ours.tolist() == [3, 4, 7, 0] and theirs.tolist() == [1, 2, 5, 9]
+    planned = block_runs_array(g.layout(), ours, g.layout(), theirs)
+    assert sorted(map(tuple, planned.tolist())) == sorted(byte_runs(orders, g, g, True))
+    back, there = block_ids(orders, g, g, local_is_src=False)
+    assert back.tolist() == [1, 2, 5, 9] and there.tolist() == [3, 4, 7, 0]
+    with pytest.raises(ValueError, match="past the cache"):
+        block_ids([(9, 0, 2)], g, g, local_is_src=True)
+    other = Geometry((3 * 4096 * 10,), 3 * 4096, 2 * 4096, 10)
+    with pytest.raises(ValueError, match="layer count"):
+        block_ids(orders, g, other, local_is_src=True)
 
 
 # ---- the NIXL backend ----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def scenario(data: dict[str, Any], **over: Any) -> Scenario:
 def run(sc: Scenario, **sweep: Any) -> tuple[Point, list[Event], dict[str, Any]]:
     point = sc.points()[0]
     log: list[Event] = []
-    sim, summary = simulate(point, log.append)
+    _sim, summary = simulate(point, log.append)
     assert summary["finished"] == summary["submitted"]
     return point, log, summary
 
@@ -98,7 +98,7 @@ def test_pull_stalls_decode_and_push_does_not() -> None:
 
 def test_fragmentation_raises_descriptor_count() -> None:
     def descriptors(run_blocks: float | None, reuse: str = "fifo") -> float:
-        _, log, s = run(scenario(BASE, engine={"pool_run_blocks": run_blocks,
+        _, log, _s = run(scenario(BASE, engine={"pool_run_blocks": run_blocks,
                                                "block_reuse": reuse}))
         plans = [e for e in log if isinstance(e, TransferPlanned)]
         return sum(e.descriptors for e in plans) / len(plans)
@@ -111,7 +111,7 @@ def test_fragmentation_raises_descriptor_count() -> None:
 
 
 def test_reuse_reads_later_turns_and_replays_clean() -> None:
-    _, log, s = run(scenario(MULTI))
+    _, log, _s = run(scenario(MULTI))
     outcomes = [e.outcome for e in log if isinstance(e, ReuseDecided)]
     assert outcomes.count("read") >= 30  # every later turn of 15 conversations x 4 turns
     assert set(outcomes) <= {"read", "miss"}
@@ -213,3 +213,17 @@ def test_bundled_seeds_load() -> None:
     for name in ("seed_push_vs_pull", "seed_bidirectional"):
         sc = load_scenario(name)
         assert sc.published is not None and sc.assumptions
+
+
+def test_streaming_summary_keeps_no_request_and_gives_the_same_figures() -> None:
+    sc = scenario(MULTI)
+    point = sc.points()[0]
+    _, exact = simulate(point)
+    sim, streamed = simulate(point, stream=True)
+    assert not sim.done and streamed["finished"] == exact["finished"] == sim.finished_count
+    for key, value in exact.items():
+        if key in ("wall_s", "itl_ms"):
+            continue
+        assert json.dumps(streamed[key]) == json.dumps(value), key
+    for q in ("mean", "p50", "p90", "p99"):  # ITL from a histogram of 0.1 %-wide bins
+        assert streamed["itl_ms"][q] == pytest.approx(exact["itl_ms"][q], rel=2e-3)

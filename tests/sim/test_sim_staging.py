@@ -81,3 +81,27 @@ def _run(staging: bool) -> dict[str, Any]:
 def test_what_if_staging_shortens_ttft_on_a_fragmented_pool() -> None:
     direct, staged = _run(False), _run(True)
     assert staged["ttft_ms"]["mean"] < direct["ttft_ms"]["mean"]
+
+
+def test_what_if_scenario_stages_at_the_pools_own_fragmentation() -> None:
+    """scenarios/what_if_staging.yaml (benchmarks/sim_staging_what_if.py): no fragmentation
+    knob; the pool's LIFO reuse fragments it, and staging then shortens pull's TTFT and its
+    engine-loop stall (TPOT)."""
+    from pathlib import Path
+
+    from kvplane.sim.config import load_scenario
+
+    base = load_scenario(Path(__file__).resolve().parents[2] / "scenarios/what_if_staging.yaml")
+    assert base.engine.pool_run_blocks is None
+    out = {}
+    for staging in (False, True):
+        sc = base.model_copy(update={
+            "requests": 30, "warmup_requests": 0,
+            "connector": base.connector.model_copy(update={"transfer_staging": staging,
+                                                           "mode": "pull"})})
+        point = next(p for p in sc.points() if p.mode == "pull" and not p.bidirectional)
+        _, out[staging] = simulate(point)
+        assert out[staging]["finished"] == out[staging]["submitted"]
+    assert out[False]["mean_run_blocks"] < 4  # fragmented by its own history
+    assert out[True]["ttft_ms"]["mean"] < out[False]["ttft_ms"]["mean"]
+    assert out[True]["tpot_ms"]["mean"] < out[False]["tpot_ms"]["mean"]
