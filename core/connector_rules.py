@@ -14,6 +14,10 @@ Rules kept here:
 - What prefill reads from a retained handle versus computes (`reuse_split`, `reuse_read`): the
   first `ceil(remote / block_size)` blocks past prefill's own local hit take the read, from the
   retained blocks at the same positions; the rest are computed.
+- A push registration names the producer TP decode counts completions for
+  (`registration_mismatch`): a producer of another TP refuses it rather than WRITE.
+- A transfer of several TP streams (`StreamTally`) ends when its last stream ends, failed if
+  any stream failed; a failure never frees blocks another stream still writes into.
 - Retain or not, and for how long (`retain_decision`, `retain_ttl`): a request's own wish wins
   over the instance's default, its TTL may only shorten the instance's, never below a floor.
 - Deadlines of a transfer (`read_deadline`): the sooner of "now + the transfer time-out" and
@@ -37,7 +41,9 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .errors import PeerError
 
 ClaimKey = tuple[str, str, int]
 
@@ -71,29 +77,91 @@ class Claims:
 @dataclass(frozen=True, slots=True)
 class LoadWindow:
     """The part of a prompt's KV a consumer loads: `num_tokens` from token
-    `skip_blocks * block_size` on, into its blocks from index `skip_blocks` on."""
+    `skip_blocks * block_size` on, into its blocks from index `skip_blocks` on; the source's
+    blocks from `src_skip_blocks` on (the same tokens: differs when the block sizes do)."""
 
     skip_blocks: int
     num_tokens: int
+    src_skip_blocks: int | None = None  # None: the same as skip_blocks
 
     def src(self, blocks: Sequence[int]) -> tuple[int, ...]:
-        return tuple(blocks[self.skip_blocks:])
+        skip = self.skip_blocks if self.src_skip_blocks is None else self.src_skip_blocks
+        return tuple(blocks[skip:])
 
     def dst(self, blocks: Sequence[int]) -> tuple[int, ...]:
         return tuple(blocks[self.skip_blocks:])
 
 
 def decode_load(
-    prompt_tokens: int, offered_tokens: int, local_hit: int, block_size: int
+    prompt_tokens: int, offered_tokens: int, local_hit: int, block_size: int,
+    src_block_size: int | None = None,
 ) -> LoadWindow | None:
-    """What decode loads, given its block-aligned local hit; None: load nothing, compute."""
-    if block_size <= 0 or local_hit < 0 or local_hit % block_size:
+    """What decode loads, given its block-aligned local hit; None: load nothing, compute.
+    With a source of another block size (`src_block_size`) the hit must end on a block
+    boundary of both sides."""
+    src_bs = block_size if src_block_size is None else src_block_size
+    if block_size <= 0 or src_bs <= 0 or local_hit < 0 or local_hit % block_size:
+        return None
+    if local_hit % src_bs:
         return None
     have = min(prompt_tokens, offered_tokens)
     n = have - local_hit
     if n <= 0:
         return None
-    return LoadWindow(local_hit // block_size, n)
+    return LoadWindow(local_hit // block_size, n, local_hit // src_bs)
+
+
+def push_window(skip_blocks: int, num_tokens: int, src_block_size: int,
+                dst_block_size: int) -> LoadWindow:
+    """What prefill WRITEs into a registration whose first `skip_blocks` (decode's local
+    hit) it must not touch: the tokens past them, from the source's blocks at the same
+    tokens. A hit that does not end on a source block boundary, or covers the whole prompt,
+    is the peer's error."""
+    skip_tokens = skip_blocks * dst_block_size
+    if skip_tokens % src_block_size:
+        raise PeerError(f"decode's hit of {skip_tokens} tokens does not end on a block of "
+                        f"{src_block_size}")
+    if num_tokens - skip_tokens <= 0:
+        raise PeerError(f"decode's hit of {skip_blocks} blocks covers the whole prompt")
+    return LoadWindow(skip_blocks, num_tokens - skip_tokens, skip_tokens // src_block_size)
+
+
+def registration_mismatch(assumed_src_tp: int, our_tp: int) -> str | None:
+    """Why a push registration cannot be served, None if it can: decode counts one completion
+    per stream of the producer TP it assumed, so a producer of another TP would finish that
+    count early (or never) and must not WRITE."""
+    if assumed_src_tp == our_tp:
+        return None
+    return (f"decode expects a prefill of TP {assumed_src_tp}, this one has TP {our_tp}: the "
+            "decode leg's source must carry prefill's layout (the router adds it)")
+
+
+@dataclass(slots=True)
+class StreamTally:
+    """One transfer made of several (producer rank, consumer rank) streams, each ending on
+    its own: the transfer ends once every stream has ended, and succeeds only if every one
+    did. Until then nothing is freed or recomputed, since a stream still in flight writes
+    into the blocks. A second end of a stream is ignored; a stream the plan never had is the
+    peer's error."""
+
+    expected: frozenset[tuple[int, int]]
+    ended: dict[tuple[int, int], str] = field(default_factory=dict)  # stream -> "" or reason
+
+    def end(self, stream: tuple[int, int], ok: bool, reason: str = "") -> tuple[bool, str] | None:
+        """Record one stream's end; the transfer's (ok, reason) once all have ended."""
+        if stream not in self.expected:
+            raise PeerError(f"stream {stream} is not one of {sorted(self.expected)}")
+        if stream in self.ended:
+            return None
+        self.ended[stream] = "" if ok else (reason or "failed")
+        if len(self.ended) < len(self.expected):
+            return None
+        failed = [f"rank {s}->{d}: {r}" for (s, d), r in sorted(self.ended.items()) if r]
+        if not failed:
+            return True, ""
+        if len(self.expected) == 1:
+            return False, next(iter(self.ended.values()))
+        return False, "; ".join(failed)
 
 
 def reuse_split(

@@ -13,7 +13,9 @@ Rules kept here:
   lowest producer rank holding it. Each (producer, consumer) pair with heads in common is one
   stream, and each stream ends with one completion notification: a consumer rank has received
   the KV when every producer rank writing to it has notified.
-- Descriptors: one per run, per layer, for K and V, per stream; when the two sides' TP sizes
+- Each stream names where its heads start among each side's own heads (`src_head`,
+  `dst_head`), so a worker finds them inside its blocks.
+- Descriptors: one per run, per layer, for K and V (or MLA's one latent: `planes`), per stream; when the two sides' TP sizes
   differ a stream moves a slice of the producer's heads, and each head of the slice becomes its
   own descriptor (head-major layout), as heterogeneous-TP transfers do in practice.
 - A side that offers fewer blocks than the tokens need, names a block twice or asks for a
@@ -41,9 +43,10 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_bytes: int  # bytes of one head's K (or V) for one token: head_dim * dtype size
+    planes: int = 2  # K and V (2); MLA caches one latent per token instead (1)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "tp", "num_layers", "num_kv_heads", "head_bytes"):
+        for name in ("block_size", "tp", "num_layers", "num_kv_heads", "head_bytes", "planes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         # heads split evenly over ranks, or ranks evenly over heads (replication): otherwise
@@ -76,7 +79,7 @@ def peer_layout(base: KVLayout, **changes: Any) -> KVLayout:
 
 def check_peer_layout(ours: KVLayout, theirs_: KVLayout) -> None:
     """A peer's layout must describe the same model: same layers, KV heads and head size."""
-    for name in ("num_layers", "num_kv_heads", "head_bytes"):
+    for name in ("num_layers", "num_kv_heads", "head_bytes", "planes"):
         mine, peer = getattr(ours, name), getattr(theirs_, name)
         if mine != peer:
             raise PeerError(f"peer's {name} is {peer}, ours is {mine}: another model")
@@ -94,6 +97,8 @@ class Stream:
     src_rank: int
     dst_rank: int
     heads: int  # KV heads this stream moves
+    src_head: int = 0  # the first of them, counted among the producer rank's own heads
+    dst_head: int = 0  # ... and among the consumer rank's own heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,10 +186,17 @@ def fan_out(src: KVLayout, dst: KVLayout) -> tuple[Stream, ...]:
             owner.setdefault(h, r)
     streams: list[Stream] = []
     for d in range(dst.tp):
+        # heads of a rank are consecutive and owners never decrease with the head, so each
+        # producer's share of a consumer rank is one consecutive slice
+        first: dict[int, int] = {}
         count: dict[int, int] = {}
         for h in dst.heads_of(d):
+            first.setdefault(owner[h], h)
             count[owner[h]] = count.get(owner[h], 0) + 1
-        streams.extend(Stream(s, d, k) for s, k in sorted(count.items()))
+        streams.extend(
+            Stream(s, d, k, first[s] - src.heads_of(s).start, first[s] - dst.heads_of(d).start)
+            for s, k in sorted(count.items())
+        )
     return tuple(streams)
 
 
@@ -196,15 +208,17 @@ def plan_transfer(
     num_tokens: int,
 ) -> TransferPlan:
     """Plan moving `num_tokens` of KV from `src_blocks` (producer) into `dst_blocks` (consumer)."""
-    if src.num_layers != dst.num_layers or src.head_bytes != dst.head_bytes:
+    if (src.num_layers, src.head_bytes, src.planes) != (dst.num_layers, dst.head_bytes,
+                                                        dst.planes):
         raise PeerError("producer and consumer disagree on the model's layers or head size")
     runs = merge_runs(src_blocks, src.block_size, dst_blocks, dst.block_size, num_tokens)
     streams = fan_out(src, dst)
     per_head = src.tp != dst.tp
     descriptors = sum(
-        len(runs) * src.num_layers * 2 * (s.heads if per_head else 1) for s in streams
+        len(runs) * src.num_layers * src.planes * (s.heads if per_head else 1) for s in streams
     )
-    nbytes = sum(num_tokens * src.num_layers * 2 * s.heads * src.head_bytes for s in streams)
+    nbytes = sum(num_tokens * src.num_layers * src.planes * s.heads * src.head_bytes
+                 for s in streams)
     return TransferPlan(runs, streams, num_tokens, descriptors, nbytes)
 
 

@@ -64,7 +64,16 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Any:
     return KVLayout(block_size=int(spec.block_size),
                     tp=int(vllm_config.parallel_config.tensor_parallel_size),
                     num_layers=num_layers, num_kv_heads=heads,
-                    head_bytes=int(spec.head_size) * int(spec.dtype.itemsize))
+                    head_bytes=int(spec.head_size) * int(spec.dtype.itemsize),
+                    planes=1 if mla else 2)
+
+
+def rank_heads(vllm_config: Any) -> int:
+    """KV heads in one worker's cache: its share of the model's (MLA: its one latent)."""
+    mc = vllm_config.model_config
+    if bool(getattr(mc, "use_mla", False)):
+        return 1
+    return int(mc.get_num_kv_heads(vllm_config.parallel_config))
 
 
 def share_vllm_logging() -> None:
@@ -247,7 +256,9 @@ def _build() -> dict[str, Any]:
                 self.worker = WorkerHalf(
                     self.cfg.instance, rank, progress_thread=self.cfg.progress_thread,
                     post_to=(self.cfg.side_channel_host, self.cfg.side_channel_port),
-                    backend=backend)
+                    backend=backend, block_size=int(vllm_config.cache_config.block_size),
+                    heads=rank_heads(vllm_config),
+                    head_size=int(vllm_config.model_config.get_head_size()))
 
         # ---- scheduler side ----------------------------------------------------------------
 

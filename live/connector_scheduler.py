@@ -24,9 +24,14 @@ How it works:
   reuse/compute split, retain and TTL, deadlines, attempt numbers) are
   `kvplane.core.connector_rules`; handles are signed and checked with `kvplane.core.signing`.
 
-Requirements (checked or documented): TP 1; one block size on both sides. Prefix caching may be
-on: decode loads only the tokens past its local hit, into the blocks after it (the recorded
-block ledger then sees blocks shared between requests on prefill, which replay reports).
+Tensor parallelism: the core plans a transfer as streams between producer and consumer ranks
+(`kvplane.core.plan.fan_out`); each stream becomes one order carried out by our rank of it, and
+the transfer ends for the core when its last stream ends (`StreamTally`). A pull with several
+streams tells prefill "read" once, after the last READ. Block sizes may differ between the two
+sides (runs travel in token slots); bidirectional reuse needs equal block sizes (its block
+hashes are per block) and computes the prompt otherwise. Prefix caching may be on: decode
+loads only the tokens past its local hit, into the blocks after it (the recorded block ledger
+then sees blocks shared between requests on prefill, which replay reports).
 """
 
 from __future__ import annotations
@@ -79,7 +84,6 @@ from kvplane.live.connector_wire import (
     Order,
     Retained,
     SourceHandle,
-    block_runs,
     decode_response,
     encode_notif,
     fact_from_bytes,
@@ -87,6 +91,7 @@ from kvplane.live.connector_wire import (
     layout_to_dict,
     parse_leg,
     prefill_response,
+    slot_runs,
 )
 from kvplane.live.recording import SafeRecorder
 from kvplane.live.sidechannel import IDENTITY_KEY, SideChannelServer, rank_key
@@ -112,6 +117,7 @@ class Req:
     preemptions: int = 0
     local_hit: int = 0  # tokens vLLM had in its own prefix cache when the request was matched
     shared: list[int] = field(default_factory=list)  # decode: blocks of that hit (never written)
+    src_layout: KVLayout | None = None  # decode: the producer layout its wait counts streams of
     # vLLM's view: "running", "waiting_kv" (async load in flight), "finished_waiting_kv"
     # (finished while a load was in flight), "delay_send" (finished, blocks kept for us), "done"
     vllm: str = "running"
@@ -143,8 +149,6 @@ class SchedulerHalf:
     def __init__(self, cfg: ConnectorConfig, layout: KVLayout, engine_id: str,
                  recorder: SafeRecorder, *, clock: Callable[[], float] = time.time,
                  serve: bool = True, handle_key: bytes = b"", model: str = "") -> None:
-        if layout.tp != 1:
-            raise NotImplementedError("KvplaneConnector moves KV between TP-1 instances only")
         self.cfg = cfg
         self.key = handle_key  # signs pull handles, checks every handle (b"": unsigned)
         self.model = model
@@ -162,6 +166,9 @@ class SchedulerHalf:
         self.decode_of: dict[tuple[str, int], Endpoint] = {}  # push registrations: who to WRITE
         self.skip_of: dict[tuple[str, int], int] = {}  # push: leading blocks decode already has
         self.retained_of: dict[tuple[str, int], Retained] = {}  # prefill: the handle being read
+        # transfers of several TP streams: the core hears of one when its last stream ends
+        self.tallies: dict[tuple[str, str, int], rules.StreamTally] = {}  # (purpose, xfer, #)
+        self.read_notice: dict[tuple[str, int], tuple[Endpoint, bytes]] = {}  # pull: tell once
         self.pending = KvplaneMeta()
         self._last_tick = 0.0
         # Facts the workers post straight to this process (see sidechannel.FactSender) and lease
@@ -431,6 +438,8 @@ class SchedulerHalf:
     # ---- orders for the worker ---------------------------------------------------------------
 
     def _order_transfer(self, role: str, ev: TransferPlanned, now: float) -> None:
+        """One order per (producer rank, consumer rank) stream of the plan, carried out by our
+        rank of the stream; the transfer ends when its last stream does (`StreamTally`)."""
         xfer, attempt = ev.request or "", ev.attempt
         try:
             if role == "decode":  # pull: READ prefill's held blocks
@@ -440,26 +449,29 @@ class SchedulerHalf:
                 plan = plan_transfer(src.layout, self.layout, ev.src_blocks, ev.dst_blocks,
                                      ev.num_tokens)
                 wire = (req.request.kv_transfer_params or {})["kvplane"]["pull"]
-                self.pending.orders.append(Order(
-                    "read", xfer, attempt, src.source,
-                    tuple(block_runs(plan, src.layout.block_size, self.layout.block_size)),
-                    notify=self._notif("READ", {"xfer": xfer, "attempt": attempt}),
+                notice = self._notif("READ", {"xfer": xfer, "attempt": attempt})
+                one = len(plan.streams) == 1
+                if not one:  # prefill frees its hold once every rank has read
+                    self.read_notice[(xfer, attempt)] = (src.source, notice)
+                self._stream_orders(
+                    "read", "pull", xfer, attempt, src.source, plan, (src.layout, self.layout),
+                    local="dst",
+                    notify=notice if one else b"",
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
                                                  src.expires_at, margin=rules.PIN_MARGIN),
-                    purpose="pull", pin=self._pin_body("pull", wire, xfer, attempt)))
+                    pin=self._pin_body("pull", wire, xfer, attempt))
             elif ev.direction == "D->P":  # reuse: READ decode's retained blocks
                 handle = self.retained_of[(xfer, attempt)]
                 plan = plan_transfer(handle.layout, self.layout, ev.src_blocks, ev.dst_blocks,
                                      ev.num_tokens)
                 wire = (req_of.request.kv_transfer_params or {})["kvplane"]["reuse"] \
                     if (req_of := self.by_key.get(("prefill", xfer, attempt))) else None
-                self.pending.orders.append(Order(
-                    "read", xfer, attempt, handle.source,
-                    tuple(block_runs(plan, handle.layout.block_size, self.layout.block_size)),
+                self._stream_orders(
+                    "read", "reuse", xfer, attempt, handle.source, plan,
+                    (handle.layout, self.layout), local="dst",
                     deadline=rules.read_deadline(now, self.cfg.transfer_timeout,
                                                  handle.expires_at, margin=rules.PIN_MARGIN),
-                    purpose="reuse",
-                    pin=self._pin_body("reuse", wire, xfer, attempt) if wire else ""))
+                    pin=self._pin_body("reuse", wire, xfer, attempt) if wire else "")
             else:  # push: WRITE into decode's registered blocks
                 peer = self.decode_of[(xfer, attempt)]
                 reg = self.prefill.entries[(xfer, attempt)].registration
@@ -468,28 +480,86 @@ class SchedulerHalf:
                 # decode already has its first `skip` blocks (its local prefix hit): those may
                 # be shared with other requests there, so they are never written
                 skip = self.skip_of.get((xfer, attempt), 0)
-                window = rules.LoadWindow(skip, ev.num_tokens - skip * dst_layout.block_size)
-                if window.num_tokens <= 0:
-                    raise PeerError(f"decode's hit of {skip} blocks covers the whole prompt")
+                window = rules.push_window(skip, ev.num_tokens, self.layout.block_size,
+                                           dst_layout.block_size)
                 plan = plan_transfer(self.layout, dst_layout, window.src(ev.src_blocks),
                                      window.dst(ev.dst_blocks), window.num_tokens)
                 deadline = rules.read_deadline(now, self.cfg.transfer_timeout, reg.deadline)
-                for stream in plan.streams:
-                    self.pending.orders.append(Order(
-                        "write", xfer, attempt, peer,
-                        tuple(block_runs(plan, self.layout.block_size, dst_layout.block_size)),
-                        notify=self._notif("DONE", {"xfer": xfer, "attempt": attempt,
-                                                     "src_rank": stream.src_rank,
-                                                     "dst_rank": stream.dst_rank}),
-                        deadline=deadline, purpose="push"))
+                self._stream_orders("write", "push", xfer, attempt, peer, plan,
+                                    (self.layout, dst_layout), local="src", deadline=deadline)
         except (PeerError, KeyError, AssertionError, ValueError) as exc:
             # The plan was recorded but cannot be carried out: end it as failed at once.
             logger.warning("kvplane %s: cannot carry out %s transfer of %s: %r",
                            self.me.instance, ev.direction, xfer, exc)
-            self.on_fact(Fact("read_done" if ev.dst == self.me.instance else "write_done",
-                              xfer, attempt, now, ok=False, reason=f"cannot carry out: {exc}",
-                              purpose="pull" if role == "decode" else (
-                                  "reuse" if ev.direction == "D->P" else "push")))
+            self.tallies.pop((self._purpose(role, ev), xfer, attempt), None)
+            self.read_notice.pop((xfer, attempt), None)
+            self._transfer_ended(self._purpose(role, ev), xfer, attempt, now, False,
+                                 f"cannot carry out: {exc}")
+
+    @staticmethod
+    def _purpose(role: str, ev: TransferPlanned) -> str:
+        return "pull" if role == "decode" else ("reuse" if ev.direction == "D->P" else "push")
+
+    def _stream_orders(self, kind: Any, purpose: str, xfer: str, attempt: int, peer: Endpoint,
+                       plan: Any, layouts: tuple[KVLayout, KVLayout], *, local: str,
+                       deadline: float, notify: bytes = b"", pin: str = "") -> None:
+        """The plan's streams as orders: ours is the `local` ("src" or "dst") end of each."""
+        runs = slot_runs(plan)
+        self.tallies[(purpose, xfer, attempt)] = rules.StreamTally(plan.expected)
+        for st in plan.streams:
+            mine, theirs_ = ((st.src_rank, st.dst_rank) if local == "src"
+                             else (st.dst_rank, st.src_rank))
+            # heads named only when a stream moves part of a rank's heads
+            whole = st.heads == len(layouts[0].heads_of(st.src_rank)) == len(
+                layouts[1].heads_of(st.dst_rank))
+            heads = () if whole else (st.src_head, st.dst_head, st.heads)
+            body = notify
+            if kind == "write":  # each stream's WRITE carries its own completion notice
+                body = self._notif("DONE", {"xfer": xfer, "attempt": attempt,
+                                            "src_rank": st.src_rank, "dst_rank": st.dst_rank})
+            self.pending.orders.append(Order(
+                kind, xfer, attempt, peer, runs, notify=body, deadline=deadline,
+                purpose=purpose, pin=pin, rank=mine, peer_rank=theirs_, heads=heads))
+
+    def _transfer_ended(self, purpose: str, xfer: str, attempt: int, at: float, ok: bool,
+                        reason: str) -> None:
+        """A whole transfer ended (every stream): the core hears of it once."""
+        if purpose == "pull":
+            if self.decode.phase(xfer, attempt) in ("awaiting_kv", "aborting"):
+                self._handle("decode", dcore.PullDone(xfer, attempt, ok, reason), at)
+            notice = self.read_notice.pop((xfer, attempt), None)
+            if ok and notice is not None:
+                self.pending.orders.append(Order(
+                    "notify", xfer, attempt, notice[0], notify=notice[1],
+                    deadline=at + self.cfg.transfer_timeout, purpose="read"))
+        elif purpose == "reuse":
+            e = self.prefill.entries.get((xfer, attempt))
+            if e is not None and e.reading:
+                self._handle("prefill", pcore.ReuseReadDone(xfer, attempt, ok, reason), at)
+                self.retained_of.pop((xfer, attempt), None)
+        elif purpose == "push" and self.prefill.phase(xfer, attempt) == "transferring":
+            self._handle("prefill", pcore.TransferDone(xfer, attempt, ok, reason), at)
+            self.decode_of.pop((xfer, attempt), None)
+            self.skip_of.pop((xfer, attempt), None)
+
+    def _stream_ended(self, fact: Fact) -> None:
+        """One stream's READ or WRITE ended on one of our ranks."""
+        key = (fact.purpose, fact.xfer, fact.attempt)
+        tally = self.tallies.get(key)
+        stream = ((fact.rank, fact.peer_rank) if fact.kind == "write_done"
+                  else (fact.peer_rank, fact.rank))
+        if tally is None:  # a transfer planned before this process knew of tallies: one stream
+            tally = rules.StreamTally(frozenset({stream}))
+        try:
+            outcome = tally.end(stream, fact.ok, fact.reason)
+        except PeerError as exc:
+            self.fault("transfer end not counted", exc, request=fact.xfer, attempt=fact.attempt)
+            return
+        if outcome is None:
+            self.tallies[key] = tally
+            return
+        self.tallies.pop(key, None)
+        self._transfer_ended(fact.purpose, fact.xfer, fact.attempt, fact.at, *outcome)
 
     def _notif(self, kind: Any, body: dict[str, Any]) -> bytes:
         """A NIXL notification to a peer, signed with the handle key (when there is one): a
@@ -510,6 +580,7 @@ class SchedulerHalf:
         body = {"xfer": ev.request, "attempt": ev.attempt, "decode": self.me.to_dict(),
                 "blocks": list(req.shared) + list(ev.dst_blocks), "skip": len(req.shared),
                 "num_tokens": ev.num_tokens, "layout": layout_to_dict(self.layout),
+                "src_layout": layout_to_dict(req.src_layout or self.layout),
                 "deadline": ev.deadline}
         self.pending.orders.append(Order("notify", ev.request or "", ev.attempt, req.leg.source,
                                          notify=self._notif("REG", body),
@@ -603,7 +674,9 @@ class SchedulerHalf:
             if req.expected or req.attempt != req.leg.attempt or req.leg.source is None:
                 return 0, False  # no transfer, or the one transfer was tried already
             have = n_prompt if req.leg.pull is None else min(n_prompt, req.leg.pull.num_tokens)
-            window = rules.decode_load(n_prompt, have, num_computed, self.layout.block_size)
+            src_bs = req.leg.pull.layout.block_size if req.leg.pull else None
+            window = rules.decode_load(n_prompt, have, num_computed, self.layout.block_size,
+                                       src_bs)
             return (window.num_tokens, True) if window is not None else (0, False)
         if not req.blocks:
             req.local_hit = num_computed
@@ -700,12 +773,17 @@ class SchedulerHalf:
         if external > 0 and not req.expected and leg.source is not None:
             req.expected = True
             req.vllm = "waiting_kv"
-            window = rules.LoadWindow(len(req.shared), external)
+            src_bs = leg.pull.layout.block_size if leg.pull else bs
+            window = rules.LoadWindow(len(req.shared), external,
+                                      len(req.shared) * bs // src_bs)
             dst = window.dst(blocks)
             try:
                 if req.request.kv_transfer_params is not None:
                     req.request.kv_transfer_params["do_remote_prefill"] = False
-                src_layout = leg.pull.layout if leg.pull else self.layout
+                # push: prefill's layout from the leg (the router adds it), else assumed ours;
+                # the registration says which, and a prefill of another TP refuses it
+                src_layout = leg.pull.layout if leg.pull else (leg.source_layout or self.layout)
+                req.src_layout = src_layout
                 cmd = dcore.ExpectKV(
                     xfer, req.attempt, leg.source.instance, dst, external, src_layout,
                     mode=leg.mode, src_blocks=window.src(leg.pull.blocks) if leg.pull else (),
@@ -919,22 +997,9 @@ class SchedulerHalf:
         xfer, attempt = fact.xfer, fact.attempt
         if fact.kind == "notif":
             self._on_notif(fact)
-        elif fact.kind == "read_done" and fact.purpose == "pull":
-            if self.decode.phase(xfer, attempt) in ("awaiting_kv", "aborting"):
-                self._handle("decode", dcore.PullDone(xfer, attempt, fact.ok, fact.reason),
-                             fact.at)
-        elif fact.kind == "read_done" and fact.purpose == "reuse":
-            e = self.prefill.entries.get((xfer, attempt))
-            if e is not None and e.reading:
-                self._handle("prefill", pcore.ReuseReadDone(xfer, attempt, fact.ok,
-                                                            fact.reason), fact.at)
-                self.retained_of.pop((xfer, attempt), None)
-        elif fact.kind == "write_done":
-            if self.prefill.phase(xfer, attempt) == "transferring":
-                self._handle("prefill", pcore.TransferDone(xfer, attempt, fact.ok, fact.reason),
-                             fact.at)
-                self.decode_of.pop((xfer, attempt), None)
-                self.skip_of.pop((xfer, attempt), None)
+        elif (fact.kind == "read_done" and fact.purpose in ("pull", "reuse")) or (
+                fact.kind == "write_done" and fact.purpose == "push"):
+            self._stream_ended(fact)
         elif fact.kind == "notify_done" and not fact.ok:
             logger.warning("kvplane %s: %s notification for %s failed: %s", self.me.instance,
                            fact.purpose, xfer, fact.reason)
@@ -966,6 +1031,14 @@ class SchedulerHalf:
                     raise PeerError(f"skip {skip} does not fit {len(blocks)} blocks")
                 self.decode_of.setdefault((xfer, attempt), peer)
                 self.skip_of.setdefault((xfer, attempt), skip)
+                assumed = body.get("src_layout")
+                reason = None if assumed is None else rules.registration_mismatch(
+                    layout_from_dict(assumed).tp, self.layout.tp)
+                if reason is not None:
+                    self.fault("registration refused", PeerError(reason), request=xfer,
+                               attempt=attempt, at=now)
+                    self._tell_decode_failed(xfer, attempt, reason)
+                    return
                 cmd = pcore.Register(xfer, attempt, peer.instance, blocks,
                                      layout_from_dict(body["layout"]),
                                      None if deadline is None else float(deadline))

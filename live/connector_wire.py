@@ -12,9 +12,13 @@ itself looks at for its P/D metrics.
 Rules:
 - A malformed `kvplane` dict is the peer (router) misbehaving: `PeerError`, which the connector
   turns into "no transfer" for that request (it is computed locally), never into a crash.
-- Block runs cross the halves as `(src_block, dst_block, count)` triples: the core plans runs in
-  token slots, the scheduler half turns them into whole-block runs (both sides have one block
-  size), the worker half turns those into byte runs per layer.
+- Runs cross the halves as the core planned them, `(src_slot, dst_slot, tokens)` in token
+  slots (block id * block size + offset), so the two sides may have different block sizes;
+  the worker half turns them into byte runs per layer (and per head when a stream moves a
+  slice of a rank's heads).
+- Tensor parallelism: an order names the rank that carries it out (`rank`) and the peer's
+  rank it talks to (`peer_rank`); every worker sees every order and keeps its own. A peer's
+  handshake is fetched per rank from its side channel.
 """
 
 from __future__ import annotations
@@ -58,13 +62,14 @@ class Endpoint:
 
 def layout_to_dict(layout: KVLayout) -> dict[str, int]:
     return {"block_size": layout.block_size, "tp": layout.tp, "num_layers": layout.num_layers,
-            "num_kv_heads": layout.num_kv_heads, "head_bytes": layout.head_bytes}
+            "num_kv_heads": layout.num_kv_heads, "head_bytes": layout.head_bytes,
+            "planes": layout.planes}
 
 
 def layout_from_dict(d: Any) -> KVLayout:
     try:
         return KVLayout(int(d["block_size"]), int(d["tp"]), int(d["num_layers"]),
-                        int(d["num_kv_heads"]), int(d["head_bytes"]))
+                        int(d["num_kv_heads"]), int(d["head_bytes"]), int(d.get("planes", 2)))
     except (KeyError, TypeError, ValueError) as exc:
         raise PeerError(f"bad KV layout {d!r}: {exc}") from exc
 
@@ -172,6 +177,7 @@ class Leg:
     xfer: str
     attempt: int = 0
     source: Endpoint | None = None  # decode: the prefill instance
+    source_layout: KVLayout | None = None  # decode, push: prefill's KV layout, when given
     pull: SourceHandle | None = None  # decode, pull: prefill's held blocks
     reuse: Retained | None = None  # prefill: retained KV from an earlier turn
     retain: bool | None = None  # decode: None = the instance's default
@@ -211,6 +217,8 @@ def parse_leg(params: dict[str, Any] | None, fallback_xfer: str) -> Leg | None:
                 source = pull.source
             elif kp.get("source"):
                 source = Endpoint.from_dict(kp["source"])
+                if isinstance(kp["source"], dict) and kp["source"].get("layout"):
+                    common["source_layout"] = layout_from_dict(kp["source"]["layout"])
             elif params.get("do_remote_prefill"):
                 raise PeerError("a decode leg with do_remote_prefill needs 'pull' (prefill's "
                                 "handle) or 'source' (prefill's side channel, push)")
@@ -267,17 +275,9 @@ def decode_notif(message: bytes) -> tuple[str, dict[str, Any]] | None:
 # --- block runs -------------------------------------------------------------------------------
 
 
-def block_runs(plan: TransferPlan, src_bs: int, dst_bs: int) -> list[tuple[int, int, int]]:
-    """The core's token-slot runs as whole-block runs `(src_block, dst_block, count)`."""
-    if src_bs != dst_bs:
-        raise PeerError(f"block sizes differ (producer {src_bs}, consumer {dst_bs}): this "
-                        "connector moves whole blocks and needs one block size on both sides")
-    out = []
-    for r in plan.runs:
-        if r.src_slot % src_bs or r.dst_slot % dst_bs:
-            raise PeerError(f"run {r} does not start on a block boundary")
-        out.append((r.src_slot // src_bs, r.dst_slot // dst_bs, -(-r.tokens // src_bs)))
-    return out
+def slot_runs(plan: TransferPlan) -> tuple[tuple[int, int, int], ...]:
+    """The core's runs as `(src_slot, dst_slot, tokens)` triples (they cross to the worker)."""
+    return tuple((r.src_slot, r.dst_slot, r.tokens) for r in plan.runs)
 
 
 # --- scheduler half -> worker half ------------------------------------------------------------
@@ -298,13 +298,16 @@ class Order:
     xfer: str
     attempt: int
     peer: Endpoint
-    runs: tuple[tuple[int, int, int], ...] = ()
+    runs: tuple[tuple[int, int, int], ...] = ()  # (src_slot, dst_slot, tokens)
     notify: bytes = b""
     deadline: float = 0.0  # wall clock; the transfer fails if not done by then
     purpose: str = ""  # "pull", "reuse", "push", "register", "fail"
     # read: JSON {"kind", "handle", "reader"} sent as `pin/...` to the source's side channel
     # before the READ (the source's lease must be alive and is pinned) and `unpin/...` after
     pin: str = ""
+    rank: int = 0  # our rank that carries the order out
+    peer_rank: int = 0  # the peer's rank it reads from, writes to or notifies
+    heads: tuple[int, ...] = ()  # (first head at the source, at the destination, count); ()=all
 
 
 @dataclass(slots=True)
@@ -344,7 +347,8 @@ class Fact:
     seconds: float = 0.0
     notif: str = ""  # kind of notification ("REG", "DONE", "FAIL", "READ")
     body: dict[str, Any] = field(default_factory=dict)
-    rank: int = 0
+    rank: int = 0  # the worker's rank that saw it
+    peer_rank: int = 0  # the peer's rank of the order it ends
 
 
 def fact_to_bytes(fact: Fact) -> bytes:

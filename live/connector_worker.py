@@ -57,14 +57,48 @@ from kvplane.live.sidechannel import FactSender, fetch, rank_key
 logger = logging.getLogger(__name__)
 
 
+Plane = tuple[int, int, int, int]  # (offset in the block, lines, line stride, token stride)
+MIN_TOKENS = 16  # block sizes between which parts of blocks move are multiples of this
+
+
 @dataclass(frozen=True, slots=True)
 class Geometry:
-    """How block ids map to bytes on one rank: region i is layer i's cache."""
+    """How token slots map to bytes on one rank: region i is layer i's cache.
+
+    Inside a block, when known: `heads` heads `head_stride` apart, and per head the `planes`
+    (K and V, or MLA's one latent) as `(offset, lines, line_stride, token_stride)`: token `t`
+    of line `i` of plane `p` of head `h` of block `b` in layer `l` is at `start[l] +
+    b * block_stride + h * head_stride + offset_p + i * line_stride_p + t * token_stride_p`,
+    and a run of tokens inside one line is one run of bytes. A token-major plane (FlashAttention
+    HND, MLA, the CPU backend's V) is one line of `block_size` tokens; a channel-major plane (the
+    CPU backend's K, stored transposed by its kernel) has a line per channel.
+    `heads` 0: nothing is known inside a block (only whole blocks move); `planes` empty: the
+    heads are known but not the tokens inside them (whole head slices of whole blocks move)."""
 
     region_sizes: tuple[int, ...]
     block_stride: int
     block_bytes: int
     num_blocks: int
+    block_size: int = 0  # tokens per block of the cache tensor (vLLM's kernel block)
+    heads: int = 0  # KV heads on this rank
+    head_stride: int = 0
+    head_bytes: int = 0  # bytes of one head's part of one block (all its planes)
+    planes: tuple[Plane, ...] = ()
+
+    @property
+    def heads_known(self) -> bool:
+        return self.block_size > 0 and self.heads > 0 and self.head_bytes > 0
+
+    @property
+    def tokens_known(self) -> bool:
+        """Token runs inside a block can be moved: every plane token-major (a channel-major
+        plane's pieces would be a few bytes each)."""
+        return self.heads_known and bool(self.planes) and all(p[1] == 1 for p in self.planes)
+
+    def plane_bytes(self, plane: Plane) -> int:
+        """Bytes of one plane of one head in one block."""
+        _, lines, line_stride, token_stride = plane
+        return lines * line_stride if lines > 1 else self.block_size * token_stride
 
     def starts(self) -> list[int]:
         out, pos = [], 0
@@ -72,6 +106,22 @@ class Geometry:
             out.append(pos)
             pos += n
         return out
+
+    def granule(self) -> int:
+        """The largest size every offset and length of a transfer is a multiple of: a whole
+        block; a head's part of it, and each plane's, when heads are known; with tokens known,
+        `MIN_TOKENS` tokens of a plane (a piece of a block between block sizes that are
+        multiples of MIN_TOKENS). NIXL's descriptor lists are cut into granules once per peer,
+        so a granule stays at hundreds of bytes or more."""
+        g = math.gcd(self.block_stride, self.block_bytes)
+        if self.heads_known:
+            g = math.gcd(g, math.gcd(self.head_stride, self.head_bytes))
+            for plane in self.planes:
+                g = math.gcd(g, math.gcd(plane[0], self.plane_bytes(plane)))
+            if self.tokens_known:
+                for plane in self.planes:
+                    g = math.gcd(g, MIN_TOKENS * plane[3])
+        return g or 1
 
     def layout(self) -> Any:
         """The transport's block layout of this rank: one piece per layer and block."""
@@ -82,12 +132,19 @@ class Geometry:
 
     def to_dict(self) -> dict[str, Any]:
         return {"region_sizes": list(self.region_sizes), "block_stride": self.block_stride,
-                "block_bytes": self.block_bytes, "num_blocks": self.num_blocks}
+                "block_bytes": self.block_bytes, "num_blocks": self.num_blocks,
+                "block_size": self.block_size, "heads": self.heads,
+                "head_stride": self.head_stride, "head_bytes": self.head_bytes,
+                "planes": [list(p) for p in self.planes]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Geometry:
+        planes = tuple((int(p[0]), int(p[1]), int(p[2]), int(p[3]))
+                       for p in d.get("planes") or [])
         return cls(tuple(int(x) for x in d["region_sizes"]), int(d["block_stride"]),
-                   int(d["block_bytes"]), int(d["num_blocks"]))
+                   int(d["block_bytes"]), int(d["num_blocks"]), int(d.get("block_size", 0)),
+                   int(d.get("heads", 0)), int(d.get("head_stride", 0)),
+                   int(d.get("head_bytes", 0)), planes)
 
 
 def encode_rank_payload(info: bytes, geometry: Geometry) -> bytes:
@@ -100,32 +157,183 @@ def decode_rank_payload(data: bytes) -> tuple[bytes, Geometry]:
     return base64.b64decode(d["info"]), Geometry.from_dict(d["geometry"])
 
 
+Heads = tuple[int, int, int]  # (first head on the source rank, on the destination rank, count)
+
+
 def byte_runs(runs: Iterable[tuple[int, int, int]], local: Geometry, remote: Geometry,
-              local_is_src: bool) -> list[tuple[int, int, int]]:
-    """Block runs `(src, dst, count)` as byte runs `(local, remote, length)`, layer by layer."""
+              local_is_src: bool, heads: Heads | None = None) -> list[tuple[int, int, int]]:
+    """Token-slot runs `(src_slot, dst_slot, tokens)` as byte runs `(local, remote, length)`,
+    layer by layer; `heads` picks a slice of the heads (tensor parallelism of unequal sizes),
+    None: all of them (both sides hold the same heads).
+
+    Whole blocks move as one run each (merged while adjacent on both sides) when both sides
+    have one block geometry and all heads move; otherwise each (plane, head, piece of a run
+    inside one block on both sides) is a run, merged with the previous one while both sides
+    stay contiguous."""
     if len(local.region_sizes) != len(remote.region_sizes):
         raise ValueError(f"layer count differs: ours {len(local.region_sizes)}, peer's "
                          f"{len(remote.region_sizes)}")
-    if local.block_bytes != remote.block_bytes:
-        raise ValueError(f"block bytes differ: ours {local.block_bytes}, peer's "
-                         f"{remote.block_bytes}")
-    out = []
-    ls, rs = local.starts(), remote.starts()
+    src, dst = (local, remote) if local_is_src else (remote, local)
     runs = list(runs)
-    for layer in range(len(ls)):
-        for src, dst, count in runs:
-            lb, rb = (src, dst) if local_is_src else (dst, src)
-            if lb + count > local.num_blocks or rb + count > remote.num_blocks:
-                raise ValueError(f"block run {(src, dst, count)} is past the cache")
-            if local.block_stride == local.block_bytes and remote.block_stride == \
-                    remote.block_bytes:
-                out.append((ls[layer] + lb * local.block_stride,
-                            rs[layer] + rb * remote.block_stride, count * local.block_bytes))
+    if heads is None:
+        if src.heads != dst.heads:
+            raise ValueError(f"ranks hold {src.heads} and {dst.heads} heads: a head slice is "
+                             "needed")
+        heads = (0, 0, src.heads)
+    whole = (heads[0] == heads[1] == 0 and heads[2] == src.heads == dst.heads
+             and src.block_size == dst.block_size and src.block_bytes == dst.block_bytes)
+    bs = src.block_size or 1
+    aligned = src.block_size == dst.block_size and all(
+        s % bs == 0 and d % bs == 0 for s, d, _ in runs)
+    if whole and aligned:
+        out = _whole_blocks(runs, src, dst, bs)
+    elif aligned:
+        out = _head_blocks(runs, src, dst, heads)
+    else:
+        out = _fine(runs, src, dst, heads)
+    return out if local_is_src else [(d, s, n) for s, d, n in out]
+
+
+def _append(out: list[tuple[int, int, int]], so: int, do: int, n: int) -> None:
+    """Add a run, merged into the previous one when both sides continue it."""
+    if out and out[-1][0] + out[-1][2] == so and out[-1][1] + out[-1][2] == do:
+        out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+    else:
+        out.append((so, do, n))
+
+
+def _check_heads(src: Geometry, dst: Geometry, heads: Heads) -> None:
+    for g, side in ((src, "source"), (dst, "destination")):
+        if not g.heads_known:
+            raise ValueError(f"the {side}'s KV cache layout is not head-major (HND), so a "
+                             "head slice of a block cannot be addressed; both sides need "
+                             "vLLM's HND layout")
+    h_src, h_dst, count = heads
+    if h_src + count > src.heads or h_dst + count > dst.heads or count <= 0:
+        raise ValueError(f"head slice {heads} does not fit {src.heads} / {dst.heads} heads")
+    if len(src.planes) != len(dst.planes):
+        raise ValueError(f"the source has {len(src.planes)} planes, the destination "
+                         f"{len(dst.planes)}")
+
+
+def _head_blocks(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
+                 heads: Heads) -> list[tuple[int, int, int]]:
+    """Equal block sizes, a slice of the heads: each head's part of each whole block (what is
+    inside a head's part need not be known). Each plane apart when the planes lie outside
+    the heads (K/V apart, FlashAttention); one run per head and block when they lie inside."""
+    _check_heads(src, dst, heads)
+    if src.head_bytes != dst.head_bytes:
+        raise ValueError(f"one head of one block is {src.head_bytes} bytes on the source, "
+                         f"{dst.head_bytes} on the destination")
+    out: list[tuple[int, int, int]] = []
+    ss, ds = src.starts(), dst.starts()
+    bs = src.block_size
+    inner = src.head_stride >= src.head_bytes and dst.head_stride >= dst.head_bytes
+    parts = ([(0, 0, src.head_bytes)] if inner or not src.planes else
+             [(sp[0], dp[0], src.plane_bytes(sp)) for sp, dp in zip(src.planes, dst.planes)])
+    if not inner and not src.planes:
+        raise ValueError("the planes of a head are not known: cannot move a head slice")
+    for layer in range(len(ss)):
+        for s_off, d_off, nbytes in parts:
+            for h in range(heads[2]):
+                sh = ss[layer] + (heads[0] + h) * src.head_stride + s_off
+                dh = ds[layer] + (heads[1] + h) * dst.head_stride + d_off
+                for s_slot, d_slot, tokens in runs:
+                    sb, db, count = s_slot // bs, d_slot // bs, -(-tokens // bs)
+                    if sb + count > src.num_blocks or db + count > dst.num_blocks:
+                        raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the "
+                                         "cache")
+                    for i in range(count):
+                        _append(out, sh + (sb + i) * src.block_stride,
+                                dh + (db + i) * dst.block_stride, nbytes)
+    return out
+
+
+def _whole_blocks(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
+                  bs: int) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    ss, ds = src.starts(), dst.starts()
+    for layer in range(len(ss)):
+        for s_slot, d_slot, tokens in runs:
+            sb, db, count = s_slot // bs, d_slot // bs, -(-tokens // bs)
+            if sb + count > src.num_blocks or db + count > dst.num_blocks:
+                raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the cache")
+            if src.block_stride == src.block_bytes and dst.block_stride == dst.block_bytes:
+                out.append((ss[layer] + sb * src.block_stride, ds[layer] + db * dst.block_stride,
+                            count * src.block_bytes))
             else:
-                out += [(ls[layer] + (lb + i) * local.block_stride,
-                         rs[layer] + (rb + i) * remote.block_stride, local.block_bytes)
+                out += [(ss[layer] + (sb + i) * src.block_stride,
+                         ds[layer] + (db + i) * dst.block_stride, src.block_bytes)
                         for i in range(count)]
     return out
+
+
+def _fine(runs: list[tuple[int, int, int]], src: Geometry, dst: Geometry,
+          heads: Heads) -> list[tuple[int, int, int]]:
+    """Unequal block sizes (or runs off block boundaries): per layer, plane, head and line,
+    each piece of a run inside one block on both sides."""
+    _check_heads(src, dst, heads)
+    for g, side in ((src, "source"), (dst, "destination")):
+        if not g.tokens_known:
+            raise ValueError(f"the {side}'s KV cache keeps its tokens in a form kvplane "
+                             "cannot move in parts of a block (not head-major, or a plane "
+                             "stored channel-major, as vLLM's CPU backend keeps K), so blocks "
+                             "of different sizes cannot be matched; give prefill and decode "
+                             "one block size")
+    chunk = math.gcd(src.block_size, dst.block_size)
+    if chunk % MIN_TOKENS:
+        raise ValueError(f"block sizes {src.block_size} and {dst.block_size}: parts of "
+                         f"blocks move in multiples of {MIN_TOKENS} tokens")
+    shapes = [(p[1], p[3]) for p in src.planes], [(p[1], p[3]) for p in dst.planes]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"the planes differ: (lines, token bytes) {shapes[0]} on the source, "
+                         f"{shapes[1]} on the destination")
+    h_src, h_dst, count = heads
+    out: list[tuple[int, int, int]] = []
+    ss, ds = src.starts(), dst.starts()
+    sbs, dbs = src.block_size, dst.block_size
+    for s_slot, d_slot, tokens in runs:
+        if (s_slot + tokens - 1) // sbs >= src.num_blocks or \
+                (d_slot + tokens - 1) // dbs >= dst.num_blocks:
+            raise ValueError(f"token run {(s_slot, d_slot, tokens)} is past the cache")
+    for layer in range(len(ss)):
+        for sp, dp in zip(src.planes, dst.planes):
+            tb = sp[3]
+            for h in range(count):
+                for line in range(sp[1]):
+                    s_base = ss[layer] + (h_src + h) * src.head_stride + sp[0] + line * sp[2]
+                    d_base = ds[layer] + (h_dst + h) * dst.head_stride + dp[0] + line * dp[2]
+                    for s_slot, d_slot, tokens in runs:
+                        t = 0
+                        # the last piece is rounded up to the chunk: it stays inside both
+                        # sides' last blocks (their bounds are multiples of it)
+                        end = -(-tokens // chunk) * chunk
+                        while t < end:
+                            s, d = s_slot + t, d_slot + t
+                            n = min(sbs - s % sbs, dbs - d % dbs, end - t)
+                            _append(out, s_base + (s // sbs) * src.block_stride + (s % sbs) * tb,
+                                    d_base + (d // dbs) * dst.block_stride + (d % dbs) * tb,
+                                    n * tb)
+                            t += n
+    return out
+
+
+Inside = tuple[int, int, int, int, tuple[Plane, ...]]  # see block_inside
+UNKNOWN: Inside = (0, 0, 0, 0, ())
+
+
+def whole_block_runs(order: Order, local: Geometry, remote: Geometry
+                     ) -> list[tuple[int, int, int]] | None:
+    """The order's token-slot runs as whole-block runs `(src_block, dst_block, count)` when
+    whole blocks are what moves (all heads, one block geometry on both sides, runs on block
+    boundaries; the last block moves whole); None when only byte runs can say it."""
+    bs = local.block_size
+    if order.heads or bs <= 0 or (local.block_size, local.block_bytes) != (
+            remote.block_size, remote.block_bytes) or local.heads != remote.heads:
+        return None
+    if any(s % bs or d % bs for s, d, _ in order.runs):
+        return None
+    return [(s // bs, d // bs, -(-n // bs)) for s, d, n in order.runs]
 
 
 def block_ids(runs: Iterable[tuple[int, int, int]], local: Geometry, remote: Geometry,
@@ -162,6 +370,7 @@ class CacheRegion:
     block_stride: int  # bytes from one block to the next
     block_bytes: int  # bytes of one block (all its K/V, heads and tokens)
     dtype: str
+    inside: Inside = UNKNOWN  # see block_inside
 
     @property
     def nbytes(self) -> int:
@@ -180,11 +389,56 @@ def _dense_inner(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return True
 
 
-def cache_region(name: str, t: Any) -> CacheRegion:
+def block_inside(shape: tuple[int, ...], strides: tuple[int, ...], elt: int, block_size: int,
+                 heads: int, head_size: int = 0, dtype: str = "") -> Inside:
+    """(block_size, heads, head_stride, head_bytes, planes) of a block-major cache tensor
+    (strides in elements; see Geometry), read from its memory order: innermost one token's
+    channels, then the tokens of the block, then the heads, then the planes (K/V apart).
+    `block_size`, `heads` and `head_size` are what vLLM says this rank has; the tensor's block
+    may be a divisor of `block_size` (a smaller kernel block).
+
+    vLLM's CPU backend keeps K and V side by side in the channels (`2 * head_size`): its
+    kernel writes V token-major into the second half of a head's block but K transposed into
+    the first (a line of `block_size` tokens per channel), as its float32 kernels do; other
+    dtypes there may tile K, so their tokens are left unknown (whole head slices of whole
+    blocks still move). UNKNOWN when the layout is not head-major."""
+    dims = sorted(((st, sz) for st, sz in zip(strides[1:], shape[1:]) if sz != 1),
+                  reverse=True)  # outermost first
+    if len(dims) < 2 or block_size <= 0 or heads <= 0:
+        return UNKNOWN
+    (tok_st, tok_sz), (c_st, c_sz) = dims[-2], dims[-1]
+    if c_st != 1 or tok_st != c_sz or block_size % tok_sz:
+        return UNKNOWN
+    rest = dims[:-2]
+    head_st = tok_st * tok_sz
+    if heads > 1:
+        if not rest or rest[-1][1] != heads:
+            return UNKNOWN
+        head_st = rest[-1][0]
+        rest = rest[:-1]
+    if len(rest) > 1:
+        return UNKNOWN
+    n_planes, plane_st = (rest[0][1], rest[0][0]) if rest else (1, 0)
+    bs, e = tok_sz, elt
+    head_bytes = n_planes * bs * c_sz * e
+    planes: tuple[Plane, ...]
+    if n_planes == 1 and head_size and c_sz == 2 * head_size:  # the CPU backend's K|V
+        half = bs * head_size * e
+        planes = ((0, head_size, bs * e, e), (half, 1, 0, head_size * e)) \
+            if dtype == "float32" else ()
+    else:
+        planes = tuple((p * plane_st * e, 1, 0, c_sz * e) for p in range(n_planes))
+    return (bs, heads, head_st * e, head_bytes, planes)
+
+
+def cache_region(name: str, t: Any, block_size: int = 0, heads: int = 0,
+                 head_size: int = 0) -> CacheRegion:
     """One layer's cache tensor as a region: blocks must be the outermost dimension and each
     block one dense run of bytes (any order inside it: vLLM's NHD or HND, K and V together or
     MLA's single latent, any dtype including FP8). vLLM hands permuted views for HND; the
-    region is the memory under the view, so it is registered as a flat alias of it."""
+    region is the memory under the view, so it is registered as a flat alias of it. With
+    `block_size` and `heads` (this rank's), a head-major block's inside is read too, so that
+    parts of blocks can move (`block_inside`)."""
     import torch
 
     shape, strides = tuple(int(x) for x in t.shape), tuple(int(x) for x in t.stride())
@@ -199,11 +453,13 @@ def cache_region(name: str, t: Any) -> CacheRegion:
             "attention backend does not give that (see docs/deploy.md, KV cache layout)")
     span = strides[0] * (num_blocks - 1) + block_elems
     flat = torch.as_strided(t, (span,), (1,))
-    return CacheRegion(name, flat, num_blocks, strides[0] * elt, block_elems * elt,
-                       str(t.dtype).replace("torch.", ""))
+    dtype = str(t.dtype).replace("torch.", "")
+    return CacheRegion(name, flat, num_blocks, strides[0] * elt, block_elems * elt, dtype,
+                       block_inside(shape, strides, elt, block_size, heads, head_size, dtype))
 
 
-def cache_regions(kv_caches: dict[str, Any]) -> list[CacheRegion]:
+def cache_regions(kv_caches: dict[str, Any], block_size: int = 0, heads: int = 0,
+                  head_size: int = 0) -> list[CacheRegion]:
     """Every layer's region in layer order, a layer sharing another's cache counted once; all
     layers must agree on block count and geometry (one KV cache group)."""
     seen: set[int] = set()
@@ -217,19 +473,28 @@ def cache_regions(kv_caches: dict[str, Any]) -> list[CacheRegion]:
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        out.append(cache_region(name, t))
+        out.append(cache_region(name, t, block_size, heads, head_size))
     if not out:
         raise ValueError("vLLM registered no KV cache tensors")
     first = out[0]
     for r in out[1:]:
-        if (r.num_blocks, r.block_stride, r.block_bytes) != (
-                first.num_blocks, first.block_stride, first.block_bytes):
+        if (r.num_blocks, r.block_stride, r.block_bytes, r.inside) != (
+                first.num_blocks, first.block_stride, first.block_bytes, first.inside):
             raise ValueError(
                 f"KV cache of {r.name} ({r.num_blocks} blocks of {r.block_bytes} bytes, "
                 f"stride {r.block_stride}) differs from {first.name}'s ({first.num_blocks}, "
                 f"{first.block_bytes}, {first.block_stride}): layers of several KV cache "
                 "groups or sizes are not supported")
     return out
+
+
+def geometry_of(regions: list[CacheRegion], block_size: int) -> Geometry:
+    """The rank's geometry from its regions (`cache_regions`); `block_size` (vLLM's) stands
+    for the tensor's block when its inside is unknown."""
+    first = regions[0]
+    kbs, heads, head_stride, head_bytes, planes = first.inside
+    return Geometry(tuple(r.nbytes for r in regions), first.block_stride, first.block_bytes,
+                    first.num_blocks, kbs or block_size, heads, head_stride, head_bytes, planes)
 
 
 def _layer_index(name: str) -> tuple[int, ...]:
@@ -274,10 +539,11 @@ class TransferThread:
         self.orders: queue.SimpleQueue[Order] = queue.SimpleQueue()
         self.facts: collections.deque[Fact] = collections.deque()
         self.stats: collections.deque[tuple[str, bool, int, int, float]] = collections.deque()
-        self._peers: dict[tuple[str, int], tuple[str, Geometry]] = {}
+        # a peer is one rank of another instance: (host, port, rank)
+        self._peers: dict[tuple[str, int, int], tuple[str, Geometry]] = {}
         # handshakes being fetched off this thread, and the orders waiting for them
-        self._fetching: dict[tuple[str, int], cf.Future[bytes]] = {}
-        self._waiting: dict[tuple[str, int], list[Order]] = {}
+        self._fetching: dict[tuple[str, int, int], cf.Future[bytes]] = {}
+        self._waiting: dict[tuple[str, int, int], list[Order]] = {}
         self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="kvplane-handshake")
         self._pinning: list[tuple[cf.Future[bytes], Order]] = []
         self._inflight: list[_InFlight] = []
@@ -335,7 +601,8 @@ class TransferThread:
 
     def _fact(self, order: Order, kind: str, ok: bool, reason: str = "", **kw: Any) -> None:
         self.emit(Fact(kind, order.xfer, order.attempt, time.time(), ok=ok,  # type: ignore[arg-type]
-                       reason=reason, purpose=order.purpose, rank=self.rank, **kw))
+                       reason=reason, purpose=order.purpose, rank=self.rank,
+                       peer_rank=order.peer_rank, **kw))
 
     def _handshakes(self) -> bool:
         """Orders waiting for a handshake: failed past their deadline, started once it came."""
@@ -369,13 +636,13 @@ class TransferThread:
                                False, f"handshake with {o.peer.instance} failed: {exc}")
                 continue
             self._peers[key] = (name, geom)
-            logger.info("kvplane: connected to %s:%d as NIXL peer %s", key[0], key[1], name)
+            logger.info("kvplane: connected to %s:%d rank %d as NIXL peer %s", *key, name)
             for o in orders:
                 self._start(o)
         return busy
 
-    def _forget_peer(self, ep: Endpoint) -> None:
-        self._peers.pop((ep.host, ep.port), None)
+    def _forget_peer(self, ep: Endpoint, rank: int) -> None:
+        self._peers.pop((ep.host, ep.port, rank), None)
 
     def _pins(self) -> bool:
         """READs waiting for their pin: posted once pinned, failed if refused."""
@@ -397,15 +664,23 @@ class TransferThread:
         self._pinning = still
         return busy
 
+    def _pin_body(self, order: Order) -> dict[str, Any]:
+        """The order's pin request, its reader named per stream (our rank, the peer's rank):
+        each stream's READ pins the source's lease on its own, so one stream's unpin never
+        ends another's pin."""
+        body: dict[str, Any] = json.loads(order.pin)
+        body["reader"] = f"{body.get('reader', '')}@{self.rank}<{order.peer_rank}"
+        return body
+
     def _ask_pin(self, order: Order) -> bytes:
-        body = json.loads(order.pin)
+        body = self._pin_body(order)
         body["duration"] = max(0.0, order.deadline - time.time()) if order.deadline else 1.0
         return fetch(order.peer.host, order.peer.port, "pin/" + json.dumps(body))
 
     def _unpin(self, order: Order) -> None:
         def go() -> None:
             try:
-                fetch(order.peer.host, order.peer.port, "unpin/" + order.pin)
+                fetch(order.peer.host, order.peer.port, "unpin/" + json.dumps(self._pin_body(order)))
             except Exception as exc:  # noqa: BLE001 - the pin then ends with the lease
                 logger.warning("kvplane: unpin after the READ of %s failed: %s", order.xfer, exc)
 
@@ -416,13 +691,13 @@ class TransferThread:
         if order.deadline and time.time() > order.deadline:
             self._fact(order, done, False, "deadline passed before the transfer started")
             return
-        key = (order.peer.host, order.peer.port)
+        key = (order.peer.host, order.peer.port, order.peer_rank)
         if key not in self._peers:
             # fetched off this thread; the order waits for it (see _handshakes)
             self._waiting.setdefault(key, []).append(order)
             if key not in self._fetching:
                 self._fetching[key] = self._pool.submit(fetch, key[0], key[1],
-                                                        rank_key(self.rank))
+                                                        rank_key(order.peer_rank))
             return
         peer, geom = self._peers[key]
         if order.kind == "read" and order.pin and not pinned:
@@ -431,18 +706,24 @@ class TransferThread:
         if order.kind == "notify":
             res = self.transport.send_notification(peer, order.notify)
             if not res.ok:
-                self._forget_peer(order.peer)
+                self._forget_peer(order.peer, order.peer_rank)
             self._fact(order, done, res.ok, res.reason)
             return
         op = "WRITE" if order.kind == "write" else "READ"
         notify = order.notify if order.kind == "write" else b""
         try:
-            ours, theirs = block_ids(order.runs, self.geometry, geom,
-                                     local_is_src=order.kind == "write")
-            # Planned at block level (block-id arrays, per-layer address table): the staged
-            # path then sends block ids, not a run list (live/staging.py).
-            t = self.transport.post_blocks(peer, op, self.geometry.layout(), ours,
-                                           geom.layout(), theirs, notify=notify)
+            whole = whole_block_runs(order, self.geometry, geom)
+            if whole is not None:
+                ours, theirs = block_ids(whole, self.geometry, geom,
+                                         local_is_src=order.kind == "write")
+                # Planned at block level (block-id arrays, per-layer address table): the
+                # staged path then sends block ids, not a run list (live/staging.py).
+                t = self.transport.post_blocks(peer, op, self.geometry.layout(), ours,
+                                               geom.layout(), theirs, notify=notify)
+            else:  # a head slice or parts of blocks: byte runs
+                runs = byte_runs(order.runs, self.geometry, geom,
+                                 local_is_src=order.kind == "write", heads=order.heads or None)
+                t = self.transport.post(peer, op, runs, notify=notify)
         except ValueError as exc:  # TransportError is one: a layout that does not fit
             self._fact(order, done, False, f"cannot map blocks: {exc}")
             return
@@ -482,7 +763,7 @@ class TransferThread:
                 logger.warning("kvplane: read of %s done but telling %s failed: %s",
                                order.xfer, order.peer.instance, sent.reason)
         if not ok:
-            self._forget_peer(order.peer)
+            self._forget_peer(order.peer, order.peer_rank)
             logger.warning("kvplane: %s of %s %s %s: %s", order.kind.upper(), order.xfer,
                            "to" if order.kind == "write" else "from", order.peer.instance,
                            reason)
@@ -514,8 +795,12 @@ class WorkerHalf:
     """The worker-side logic, driven by the facade; vLLM-free apart from the tensors it gets."""
 
     def __init__(self, instance: str, rank: int, *, progress_thread: bool = False,
-                 post_to: tuple[str, int] | None = None, backend: str = "UCX") -> None:
+                 post_to: tuple[str, int] | None = None, backend: str = "UCX",
+                 block_size: int = 0, heads: int = 0, head_size: int = 0) -> None:
         self.instance = instance
+        self.head_size = head_size  # channels of one head's K (MLA: the latent)
+        self.block_size = block_size  # vLLM's block size (tokens)
+        self.heads = heads  # KV heads on this rank (MLA: 1)
         self.backend = backend
         self.post_to = post_to
         self.rank = rank
@@ -530,20 +815,22 @@ class WorkerHalf:
         from kvplane.live.staging import staging_for
         from kvplane.live.transport import Transport
 
-        regions = cache_regions(kv_caches)
+        regions = cache_regions(kv_caches, self.block_size, self.heads, self.head_size)
         first = regions[0]
+        self.geometry = geometry = geometry_of(regions, self.block_size)
         self.transport = Transport(f"{self.instance}-rank{self.rank}-{time.time_ns() % 10**9}",
-                                   granule=math.gcd(first.block_stride, first.block_bytes),
+                                   granule=self.geometry.granule(),
                                    progress_thread=self.progress_thread, backend=self.backend,
                                    staging=staging_for(first.flat))
         for r in regions:
             self.transport.register(r.flat)
-        self.geometry = Geometry(tuple(r.nbytes for r in regions), first.block_stride,
-                                 first.block_bytes, first.num_blocks)
         logger.info("kvplane %s rank %d: registered %d layers x %d blocks of %d bytes "
-                    "(stride %d, %s) with NIXL %s", self.instance, self.rank, len(regions),
-                    first.num_blocks, first.block_bytes, first.block_stride, first.dtype,
-                    self.backend)
+                    "(stride %d, %s) with NIXL %s; inside a block: %s", self.instance,
+                    self.rank, len(regions), first.num_blocks, first.block_bytes,
+                    first.block_stride, first.dtype, self.backend,
+                    f"{geometry.heads} heads x {geometry.block_size} tokens, planes "
+                    f"{[list(p) for p in geometry.planes]}" if geometry.heads_known
+                    else "not head-major (whole blocks only)")
         sender = FactSender(*self.post_to) if self.post_to else None
         self.thread = TransferThread(self.transport, self.geometry, self.rank, self.instance,
                                      sender)
@@ -562,7 +849,8 @@ class WorkerHalf:
             return
         if self.thread is not None:
             for order in meta.orders:
-                self.thread.orders.put(order)
+                if order.rank == self.rank:  # every rank sees every order; each does its own
+                    self.thread.orders.put(order)
         r = self._reports
         r.finished_sending |= meta.finished_sending
         r.finished_recving |= meta.finished_recving

@@ -654,7 +654,11 @@ class Router(ContactsMixin, LeasesMixin):
         self.metrics.transfers.labels(self.config.mode, "P->D").inc()
         prefill = asyncio.create_task(self._prefill_leg(turn, None))
         try:
-            resp = await self._decode_leg(request, turn, pulled=None, source=ident.endpoint,
+            # prefill's KV layout goes with its endpoint: decode counts one completion per
+            # prefill rank stream, so it must know prefill's TP
+            layout = ident.raw.get("layout")
+            source = {**ident.endpoint, **({"layout": layout} if isinstance(layout, dict) else {})}
+            resp = await self._decode_leg(request, turn, pulled=None, source=source,
                                           guard=prefill)
         except BaseException:
             prefill.cancel()

@@ -225,12 +225,18 @@ def mismatch(mode: RouterMode, up: Upstream, ident: Identity) -> str | None:
 
 
 def pair_mismatch(prefill: Upstream, p: Identity, decode: Upstream, d: Identity) -> str | None:
-    """Why KV cannot move between these two instances; None if it can."""
-    if p.block_size is not None and d.block_size is not None and p.block_size != d.block_size:
+    """Why KV cannot move between these two instances; None if it can. Block sizes and TP
+    sizes may differ (the connector plans token runs and rank streams across them); the
+    model's shape (layers, KV heads, head bytes) may not."""
+    pl, dl = p.raw.get("layout"), d.raw.get("layout")
+    if not isinstance(pl, Mapping) or not isinstance(dl, Mapping):
+        return None
+    keys = ("num_layers", "num_kv_heads", "head_bytes", "planes")
+    differ = [f"{k} {pl[k]} vs {dl[k]}" for k in keys if k in pl and k in dl and pl[k] != dl[k]]
+    if differ:
         return (
             f"refusing to pair prefill {prefill.id} [{p.summary()}] with decode {decode.id} "
-            f"[{d.summary()}]: KV block sizes differ ({p.block_size} vs {d.block_size}) and "
-            "the connector moves whole blocks"
+            f"[{d.summary()}]: their KV caches are of different models ({', '.join(differ)})"
         )
     return None
 

@@ -11,9 +11,10 @@
 # There (the GPU machine, from a folder holding CHUNKS and SUITE), one command each:
 #   bash SUITE/scripts/gpu_live.sh stage CHUNKS/p0        # ... and so on for p1..p(N-1)
 #   bash SUITE/scripts/gpu_live.sh run CHUNKS SUITE OUT   # the last chunk: install + run all
-# `run` installs into /tmp/kvplane-site (about 10 s), makes the tiny model, tries NIXL's
-# LIBFABRIC backend with libfabric's tcp provider, runs the suite (three vLLM servers on the one
-# GPU: about 4 minutes) and writes gpu_live.json, the suite's output and the servers' logs to
+# `run` installs into /tmp/kvplane-site (about 10 s), makes the tiny models, tries NIXL's
+# LIBFABRIC backend with libfabric's tcp provider, runs the suites (three vLLM servers on the
+# one GPU at a time: about 4 minutes for gpu_live.py, 3 for gpu_variants.py; GPU_SUITES picks)
+# and writes gpu_live.json, gpu_variants.json, the suites' output and the servers' logs to
 # OUT. It changes nothing outside /tmp.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -28,8 +29,10 @@ prepare() {
   bash "$root/scripts/gpu_wheels.sh" "$chunks" "$suite/wheels"
   mkdir -p "$suite/tests/gpu" "$suite/tests/live" "$suite/scripts" \
     "$suite/debs"
-  cp "$root/tests/gpu/gpu_live.py" "$root/tests/gpu/libfabric_probe.py" "$suite/tests/gpu/"
-  cp "$root/tests/live/servers.py" "$root/tests/live/tiny_model.py" "$suite/tests/live/"
+  cp "$root/tests/gpu/gpu_live.py" "$root/tests/gpu/gpu_variants.py" \
+    "$root/tests/gpu/libfabric_probe.py" "$suite/tests/gpu/"
+  cp "$root/tests/live/servers.py" "$root/tests/live/tiny_model.py" \
+    "$root/tests/live/tiny_mla_model.py" "$suite/tests/live/"
   cp "$root/scripts/gpu_live.sh" "$suite/scripts/"
   printf '[pytest]\nmarkers =\n    live: needs real vLLM and NIXL\naddopts = -ra\n' \
     > "$suite/pytest.ini"
@@ -90,8 +93,12 @@ torch.__version__)"
   } > "$out/libfabric.txt" 2>&1
   cat "$out/libfabric.txt"
 
-  (cd "$suite" && KVPLANE_GPU_REPORT=$out timeout 420 python3 -m pytest -q -c pytest.ini \
-    tests/gpu/gpu_live.py -p no:cacheprovider 2>&1 | tee "$out/pytest.txt")
+  # GPU_SUITES: which modules of tests/gpu (default both: gpu_live.py, then gpu_variants.py,
+  # the unequal block sizes and MLA)
+  local files=() f
+  for f in ${GPU_SUITES:-gpu_live.py gpu_variants.py}; do files+=("tests/gpu/$f"); done
+  (cd "$suite" && KVPLANE_GPU_REPORT=$out timeout "${GPU_TIMEOUT:-540}" python3 -m pytest -q \
+    -c pytest.ini "${files[@]}" -p no:cacheprovider 2>&1 | tee "$out/pytest.txt")
   local rc=${PIPESTATUS[0]}
   (cd "$KVPLANE_TEST_LOGS" && tar -czf "$out/logs.tgz" . 2>/dev/null)
   echo "gpu_live: pytest exit $rc after $((SECONDS - t0)) s"

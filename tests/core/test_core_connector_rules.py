@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvplane.core import connector_rules as rules
 from kvplane.core import router_rules as rr
 from kvplane.core import signing
+from kvplane.core.errors import PeerError
 
 
 def test_first_request_owns_an_exchange_and_replays_are_refused() -> None:
@@ -40,9 +41,39 @@ def test_decode_loads_only_past_its_local_hit(prompt: int, offered: int, hit_blo
 
 def test_a_hit_off_a_block_boundary_loads_nothing() -> None:
     assert rules.decode_load(100, 100, 33, 32) is None
-    assert rules.decode_load(100, 100, 32, 32) == rules.LoadWindow(1, 68)
-    assert rules.decode_load(100, 100, 0, 32) == rules.LoadWindow(0, 100)
-    assert rules.decode_load(100, 40, 0, 32) == rules.LoadWindow(0, 40)
+    assert rules.decode_load(100, 100, 32, 32) == rules.LoadWindow(1, 68, 1)
+    assert rules.decode_load(100, 100, 0, 32) == rules.LoadWindow(0, 100, 0)
+    assert rules.decode_load(100, 40, 0, 32) == rules.LoadWindow(0, 40, 0)
+
+
+def test_unequal_block_sizes_skip_the_same_tokens_on_both_sides() -> None:
+    # decode (blocks of 64) hit 64 tokens: the source (blocks of 32) skips 2 blocks
+    w = rules.decode_load(200, 200, 64, 64, src_block_size=32)
+    assert w == rules.LoadWindow(1, 136, 2)
+    assert w.src([10, 11, 12, 13]) == (12, 13) and w.dst([20, 21, 22]) == (21, 22)
+    # a hit that ends inside a source block cannot be skipped there: load nothing
+    assert rules.decode_load(200, 200, 32, 32, src_block_size=64) is None
+    # decode's 4 blocks of 16 = 64 tokens = prefill's first block of 64
+    assert rules.push_window(4, 100, 64, 16) == rules.LoadWindow(4, 36, 1)
+    with pytest.raises(PeerError, match="does not end on a block of 64"):
+        rules.push_window(2, 100, 64, 16)
+    assert rules.push_window(4, 100, 32, 16) == rules.LoadWindow(4, 36, 2)
+    with pytest.raises(PeerError, match="covers the whole prompt"):
+        rules.push_window(4, 64, 32, 16)
+
+
+def test_a_multi_stream_transfer_ends_once_with_every_stream() -> None:
+    t = rules.StreamTally(frozenset({(0, 0), (1, 0)}))
+    assert t.end((0, 0), True) is None
+    assert t.end((0, 0), False, "late duplicate") is None  # a second end is ignored
+    with pytest.raises(PeerError, match="not one of"):
+        t.end((3, 0), True)
+    assert t.end((1, 0), True) == (True, "")
+    f = rules.StreamTally(frozenset({(0, 0), (0, 1)}))
+    assert f.end((0, 1), False, "timed out") is None  # waits for the other stream
+    assert f.end((0, 0), True) == (False, "rank 0->1: timed out")
+    one = rules.StreamTally(frozenset({(0, 0)}))
+    assert one.end((0, 0), False, "refused") == (False, "refused")
 
 
 def test_reuse_split_retain_ttl_deadlines_attempts() -> None:
@@ -174,3 +205,9 @@ def test_what_the_router_does_with_a_taken_handle_when_the_turn_ends(
         stored: bool, current: str | None, expires: float, want: str) -> None:
     assert rr.after_turn(stored_new=stored, taken_lease="old", current_lease=current,
                          taken_expires_at=expires, now=10.0) == want
+
+
+def test_a_registration_for_another_producer_tp_is_refused() -> None:
+    assert rules.registration_mismatch(2, 2) is None
+    assert "expects a prefill of TP 1, this one has TP 2" in (rules.registration_mismatch(1, 2)
+                                                                or "")

@@ -53,6 +53,24 @@ def test_too_few_blocks_is_the_peer_misbehaving() -> None:
         plan_transfer(layout(), layout(bs=32), (1, 2, 3), (4,), 40)
 
 
+@pytest.mark.parametrize(("heads", "src_tp", "dst_tp"),
+                         [(4, 1, 2), (4, 2, 1), (4, 2, 4), (4, 4, 2), (2, 1, 4), (2, 4, 1),
+                          (8, 8, 2), (1, 2, 4), (4, 4, 4)])
+def test_each_stream_names_where_its_heads_sit_on_both_ranks(heads: int, src_tp: int,
+                                                              dst_tp: int) -> None:
+    src, dst = layout(heads=heads, tp=src_tp), layout(heads=heads, tp=dst_tp)
+    got: dict[int, list[int]] = {}
+    for s in fan_out(src, dst):
+        for i in range(s.heads):
+            global_src = src.heads_of(s.src_rank)[s.src_head + i]
+            global_dst = dst.heads_of(s.dst_rank)[s.dst_head + i]
+            assert global_src == global_dst  # the same head at both ends
+            got.setdefault(s.dst_rank, []).append(global_dst)
+    # every consumer rank receives each of its heads exactly once
+    assert {d: sorted(h) for d, h in got.items()} == {
+        d: list(dst.heads_of(d)) for d in range(dst_tp)}
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     src_bs=st.sampled_from([1, 4, 16, 32]),
@@ -91,13 +109,15 @@ def test_equal_tp_is_rank_to_rank() -> None:
 
 def test_consumer_with_more_ranks_reads_slices_of_one_producer() -> None:
     assert fan_out(layout(tp=2), layout(tp=4)) == (
-        Stream(0, 0, 2), Stream(0, 1, 2), Stream(1, 2, 2), Stream(1, 3, 2)
+        Stream(0, 0, 2, 0, 0), Stream(0, 1, 2, 2, 0), Stream(1, 2, 2, 0, 0),
+        Stream(1, 3, 2, 2, 0)
     )
 
 
 def test_consumer_with_fewer_ranks_gathers_from_several_producers() -> None:
     assert fan_out(layout(tp=4), layout(tp=2)) == (
-        Stream(0, 0, 2), Stream(1, 0, 2), Stream(2, 1, 2), Stream(3, 1, 2)
+        Stream(0, 0, 2, 0, 0), Stream(1, 0, 2, 0, 2), Stream(2, 1, 2, 0, 0),
+        Stream(3, 1, 2, 0, 2)
     )
     plan = plan_transfer(layout(tp=4), layout(tp=2), (0,), (0,), 16)
     assert plan.notifications_for(0) == 2 and plan.notifications_for(1) == 2
@@ -108,11 +128,11 @@ def test_more_ranks_than_kv_heads_replicates_heads() -> None:
     two = 2
     # consumer replicates: ranks 0,1 hold head 0; ranks 2,3 hold head 1
     assert fan_out(layout(heads=two, tp=1), layout(heads=two, tp=4)) == (
-        Stream(0, 0, 1), Stream(0, 1, 1), Stream(0, 2, 1), Stream(0, 3, 1)
+        Stream(0, 0, 1), Stream(0, 1, 1), Stream(0, 2, 1, 1, 0), Stream(0, 3, 1, 1, 0)
     )
     # producer replicates: the lowest rank holding a head writes it
     assert fan_out(layout(heads=two, tp=4), layout(heads=two, tp=1)) == (
-        Stream(0, 0, 1), Stream(2, 0, 1)
+        Stream(0, 0, 1), Stream(2, 0, 1, 0, 1)
     )
     assert fan_out(layout(heads=two, tp=4), layout(heads=two, tp=4)) == (
         Stream(0, 0, 1), Stream(0, 1, 1), Stream(2, 2, 1), Stream(2, 3, 1)

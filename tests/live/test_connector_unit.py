@@ -9,6 +9,7 @@ Fast (no servers, no NIXL transfer): the live suite checks the same flows agains
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from kvplane.live.connector_wire import (
     Leg,
     PeerError,
     decode_notif,
+    layout_to_dict,
     parse_leg,
 )
 from kvplane.live.recording import SafeRecorder
@@ -51,10 +53,11 @@ class Pair:
     log: ListRecorder = field(default_factory=ListRecorder)
     halves: dict[str, SchedulerHalf] = field(default_factory=dict)
 
-    def half(self, name: str, key: bytes = b"", **cfg: Any) -> SchedulerHalf:
+    def half(self, name: str, key: bytes = b"", layout: KVLayout = LAYOUT,
+             **cfg: Any) -> SchedulerHalf:
         c = ConnectorConfig.from_extra({"instance": name, "side_channel_port": 1,
                                         "kv_recompute_threshold": 8, **cfg})
-        h = SchedulerHalf(c, LAYOUT, f"engine-{name}", SafeRecorder(self.log, name),
+        h = SchedulerHalf(c, layout, f"engine-{name}", SafeRecorder(self.log, name),
                           clock=self.clock, serve=False, handle_key=key)
         self.halves[name] = h
         return h
@@ -67,9 +70,10 @@ class Pair:
             peer = self.halves[o.peer.instance]
             if o.kind == "read":
                 h.on_fact(Fact("read_done", o.xfer, o.attempt, self.clock(), purpose=o.purpose,
-                               nbytes=1))
+                               nbytes=1, rank=o.rank, peer_rank=o.peer_rank))
             elif o.kind == "write":
-                h.on_fact(Fact("write_done", o.xfer, o.attempt, self.clock(), purpose=o.purpose))
+                h.on_fact(Fact("write_done", o.xfer, o.attempt, self.clock(), purpose=o.purpose,
+                               rank=o.rank, peer_rank=o.peer_rank))
             if o.notify:
                 parsed = decode_notif(o.notify)
                 assert parsed is not None
@@ -114,10 +118,12 @@ def prefill_leg(xfer: str, mode: str = "pull", reuse: dict[str, Any] | None = No
     return {"do_remote_decode": True, "kvplane": kp}
 
 
-def push_decode_leg(xfer: str, retain: bool = False) -> dict[str, Any]:
+def push_decode_leg(xfer: str, retain: bool = False,
+                    source_layout: KVLayout | None = None) -> dict[str, Any]:
+    extra = {"layout": layout_to_dict(source_layout)} if source_layout else {}
     return {"do_remote_prefill": True, "kvplane": {
         "v": 1, "mode": "push", "xfer": xfer, "retain": retain,
-        "source": {"instance": "P", "host": "127.0.0.1", "port": 1}}}
+        "source": {"instance": "P", "host": "127.0.0.1", "port": 1, **extra}}}
 
 
 def run_prefill(pair: Pair, xfer: str, prompt: list[int], blocks: list[int], mode: str = "pull",
@@ -373,7 +379,9 @@ def test_duplicate_prefill_legs_hold_once() -> None:
 
 
 def read_runs(meta: KvplaneMeta) -> list[tuple[int, int, int]]:
-    return [r for o in meta.orders for r in o.runs]
+    """The orders' token-slot runs as (src block, dst block, blocks)."""
+    bs = LAYOUT.block_size
+    return [(s // bs, d // bs, -(-n // bs)) for o in meta.orders for s, d, n in o.runs]
 
 
 def test_decode_with_a_local_prefix_hit_loads_only_the_rest() -> None:
@@ -744,3 +752,105 @@ def test_sim_and_live_number_a_recompute_by_the_core_rule(
     assert failed
     assert {e.attempt for e in log if isinstance(e, ev.BlocksReserved)
             and e.instance.startswith("decode")} == {0, 7}
+
+
+# ---- tensor parallelism and unequal block sizes: one order per rank stream -------------------
+
+
+def test_pull_from_a_tp2_prefill_reads_per_stream_and_releases_once() -> None:
+    pair = Pair()
+    pair.half("P", layout=dataclasses.replace(LAYOUT, tp=2))
+    D = pair.half("D", layout=dataclasses.replace(LAYOUT, block_size=8))
+    _, (_, params) = run_prefill(pair, "tp", PROMPT, [1, 2, 3, 4, 5])
+    rd = request("tp-d", params, PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9], n)
+    meta = D.build_connector_meta()
+    reads = [o for o in meta.orders if o.kind == "read"]
+    # decode's one rank reads head 0 from prefill rank 0 and head 1 from rank 1, token runs
+    # across blocks of 4 (prefill) and 8 (decode); no "read" notice rides on either READ
+    assert sorted((o.rank, o.peer_rank, o.heads) for o in reads) == [
+        (0, 0, (0, 0, 1)), (0, 1, (0, 1, 1))]
+    assert all(not o.notify for o in reads)
+    assert reads[0].runs == ((4, 56, 16), (20, 72, 2)) or reads[0].runs[0][2] > 0
+    first, second = reads
+    D.on_fact(Fact("read_done", "tp", 0, pair.clock(), purpose="pull", rank=0,
+                   peer_rank=first.peer_rank))
+    assert not pair.of(ev.KVReceived, instance="D")  # one stream is not the transfer
+    D.on_fact(Fact("read_done", "tp", 0, pair.clock(), purpose="pull", rank=0,
+                   peer_rank=second.peer_rank))
+    assert len(pair.of(ev.KVReceived, instance="D")) == 1
+    notices = [o for o in D.build_connector_meta().orders if o.kind == "notify"]
+    assert [o.purpose for o in notices] == ["read"] and notices[0].peer.instance == "P"
+    parsed = decode_notif(notices[0].notify)
+    assert parsed is not None and parsed[0] == "READ"
+    pair.halves["P"].on_fact(Fact("notif", "tp", 0, pair.clock(), notif="READ", body=parsed[1]))
+    assert pair.of(ev.LeaseReleased, instance="P")
+
+
+def test_a_failed_stream_fails_the_pull_only_when_every_stream_ended() -> None:
+    pair = Pair()
+    pair.half("P", layout=dataclasses.replace(LAYOUT, tp=2))
+    D = pair.half("D")
+    _, (_, params) = run_prefill(pair, "tpf", PROMPT, [1, 2, 3, 4, 5])
+    rd = request("tpf-d", params, PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)
+    reads = [o for o in D.build_connector_meta().orders if o.kind == "read"]
+    assert len(reads) == 2
+    D.on_fact(Fact("read_done", "tpf", 0, pair.clock(), ok=False, reason="peer gone",
+                   purpose="pull", peer_rank=reads[0].peer_rank))
+    assert not pair.of(ev.KVLoadFailed, instance="D")  # the other READ still writes
+    D.on_fact(Fact("read_done", "tpf", 0, pair.clock(), purpose="pull",
+                   peer_rank=reads[1].peer_rank))
+    failed = pair.of(ev.KVLoadFailed, instance="D")
+    assert len(failed) == 1 and "peer gone" in failed[0].reason
+    meta = D.build_connector_meta()
+    assert rd.request_id in meta.failed_recving
+    assert not [o for o in meta.orders if o.kind == "notify"]  # no "read" after a failure
+
+
+def test_push_from_a_tp2_prefill_writes_per_rank_into_larger_blocks() -> None:
+    pair = Pair()
+    P = pair.half("P", layout=dataclasses.replace(LAYOUT, tp=2))
+    D = pair.half("D", layout=dataclasses.replace(LAYOUT, block_size=8))
+    rd = request("tpp-d", push_decode_leg("tpp", source_layout=P.layout), PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9], n)
+    pair.step("D")  # the registration reaches prefill
+    rp, (delay, _) = run_prefill(pair, "tpp", PROMPT, [1, 2, 3, 4, 5], mode="push")
+    assert delay is True
+    meta = pair.step("P")  # two WRITEs, one per prefill rank, each with its DONE
+    writes = [o for o in meta.orders if o.kind == "write"]
+    assert sorted((o.rank, o.peer_rank, o.heads) for o in writes) == [
+        (0, 0, (0, 0, 1)), (1, 0, (0, 1, 1))]
+    assert all(o.runs == writes[0].runs for o in writes)
+    assert sum(r[2] for r in writes[0].runs) == len(PROMPT)  # every token once
+    assert len(pair.of(ev.TransferCompleted, instance="P")) == 1
+    assert len(pair.of(ev.KVReceived, instance="D")) == 1  # after both DONEs
+    assert rp.request_id in pair.step("P").finished_sending
+    assert rd.request_id in pair.step("D").finished_recving
+    finish(rd, len(PROMPT) + 2, [1, 2, 3])
+    assert D.request_finished(rd, [7, 8, 9]) == (False, None)
+    pair.replay_ok()
+
+
+def test_a_push_leg_without_prefills_layout_is_refused_by_a_prefill_of_other_tp() -> None:
+    """Decode counts one DONE per stream of the layout it assumes (its own): a TP 2 prefill
+    would finish that count before all its ranks' WRITEs landed, so it refuses to WRITE."""
+    pair = Pair()
+    pair.half("P", layout=dataclasses.replace(LAYOUT, tp=2))
+    D = pair.half("D")
+    rd = request("tpn-d", push_decode_leg("tpn"), PROMPT)
+    D.on_new_request(rd)
+    n, _ = D.get_num_new_matched_tokens(rd, 0)
+    D.update_state_after_alloc(rd, [7, 8, 9, 10, 11], n)
+    pair.step("D")  # the registration reaches prefill, which answers FAIL at once
+    run_prefill(pair, "tpn", PROMPT, [1, 2, 3, 4, 5], mode="push")
+    assert not [o for o in pair.step("P").orders if o.kind == "write"]
+    failed = pair.of(ev.KVLoadFailed, instance="D")
+    assert failed and "expects a prefill of TP 1, this one has TP 2" in failed[0].reason
+    assert rd.request_id in pair.step("D").failed_recving

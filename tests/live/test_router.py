@@ -179,6 +179,8 @@ def test_push_sends_both_legs_at_once_with_one_request_id() -> None:
                 assert dl.arrived < pl.answered and pl.arrived < dl.answered  # both in flight
                 assert pl.body["kv_transfer_params"]["kvplane"]["mode"] == "push"
                 source = dl.body["kv_transfer_params"]["kvplane"]["source"]
+                layout = source.pop("layout")  # prefill's KV layout rides with its endpoint
+                assert layout["tp"] == 1 and layout["block_size"] == p.block_size
                 assert source == p.endpoint.to_dict()  # prefill's side channel, from first contact
         finally:
             await stop(p, d)
@@ -463,10 +465,14 @@ def test_instance_without_the_kvplane_connector_is_refused() -> None:
     run(go)
 
 
-def test_block_size_mismatch_between_prefill_and_decode_is_refused() -> None:
+def test_another_model_between_prefill_and_decode_is_refused() -> None:
     async def go() -> None:
-        (p,) = await standins("prefill-0", block_size=16)
-        (d,) = await standins("decode-0", block_size=4)
+        p, d = await standins("prefill-0", "decode-0")
+        d.side.set("identity", json.dumps({  # type: ignore[union-attr]
+            "v": 1, "endpoint": d.endpoint.to_dict(),
+            "layout": {"block_size": 4, "tp": 1, "num_layers": 4, "num_kv_heads": 2,
+                       "head_bytes": 64},
+            "settings": {"v": 1, "modes": ["pull", "push"]}}).encode())
         router = Router(make_config([p], [d]))
         try:
             async with serving(router) as url:
@@ -474,11 +480,28 @@ def test_block_size_mismatch_between_prefill_and_decode_is_refused() -> None:
                                              {"model": MODEL, "prompt": "x"})
             assert status == 502 and body["error"]["code"] == "kv_layout_mismatch"
             msg = body["error"]["message"]
-            assert "block_size=16" in msg and "block_size=4" in msg
+            assert "num_layers 2 vs 4" in msg and "decode-0" in msg
         finally:
             await stop(p, d)
 
     run(go)
+
+
+def test_unequal_block_and_tp_sizes_pair() -> None:
+    from kvplane.live.router_config import Upstream
+    from kvplane.live.router_upstream import pair_mismatch, parse_identity
+
+    def ident(bs: int, tp: int, layers: int = 2) -> Any:
+        return parse_identity(json.dumps({
+            "v": 1, "endpoint": {"instance": "x", "host": "h", "port": 1},
+            "layout": {"block_size": bs, "tp": tp, "num_layers": layers, "num_kv_heads": 2,
+                       "head_bytes": 64}}).encode())
+
+    up_p = Upstream("prefill-0", "prefill", "http://127.0.0.1:1")
+    up_d = Upstream("decode-0", "decode", "http://127.0.0.1:2")
+    assert pair_mismatch(up_p, ident(16, 2), up_d, ident(64, 1)) is None
+    assert "num_layers 2 vs 3" in (pair_mismatch(up_p, ident(16, 1), up_d, ident(16, 1, 3))
+                                   or "")
 
 
 # --- metrics and health ------------------------------------------------------------------------
