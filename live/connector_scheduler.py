@@ -148,8 +148,12 @@ class SchedulerHalf:
 
     def __init__(self, cfg: ConnectorConfig, layout: KVLayout, engine_id: str,
                  recorder: SafeRecorder, *, clock: Callable[[], float] = time.time,
-                 serve: bool = True, handle_key: bytes = b"", model: str = "") -> None:
+                 serve: bool = True, handle_key: bytes = b"", model: str = "",
+                 no_kv_in: str = "") -> None:
         self.cfg = cfg
+        # why this instance never takes KV computed elsewhere ("" when it does): every leg
+        # that would load or read is then computed here, with the reason recorded
+        self.no_kv_in = no_kv_in
         self.key = handle_key  # signs pull handles, checks every handle (b"": unsigned)
         self.model = model
         self.claims = rules.Claims()
@@ -606,6 +610,12 @@ class SchedulerHalf:
             logger.warning("kvplane %s: request %s: ignoring its kvplane params: %s",
                            self.me.instance, request.request_id, exc)
             return None
+        if leg is not None and self.no_kv_in and (leg.reuse is not None or (
+                leg.role == "decode" and leg.source is not None)):
+            self.fault(f"{self.no_kv_in}; computing the prompt",
+                       PeerError("KV from another instance is not taken here"),
+                       request=leg.xfer, attempt=leg.attempt)
+            return dataclasses.replace(leg, reuse=None, pull=None, source=None)
         if leg is not None and leg.reuse is not None:
             try:
                 self._verify(params["kvplane"]["reuse"])
