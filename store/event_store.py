@@ -71,7 +71,7 @@ from .errors import (
     StoreReadOnly,
     StoreUnreadable,
 )
-from .migrate import head_revision, revision_of, upgrade, upgrade_note
+from .migrate import head_revision, known_revisions, revision_of, upgrade, upgrade_note
 from .schema import RUN_KINDS, RunKind, events_table, runs_table
 
 _STREAM_CHUNK: Final = 2000
@@ -369,7 +369,7 @@ def _say_when_migrating(engine: Engine, where: str) -> None:
     on a store of millions of events that takes minutes, so say so on stderr first."""
     with engine.connect() as conn:
         old = revision_of(conn)
-    if old is not None and old != head_revision():
+    if old is not None and old != head_revision() and old in known_revisions():
         print(f"kvplane: upgrading the store {where} from revision {old} to "
               f"{head_revision()} (once; minutes for a store of millions of events)",
               file=sys.stderr, flush=True)
