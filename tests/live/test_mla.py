@@ -17,36 +17,23 @@ docs/measurements/gpu-live-h200/run2-tp-blocks-mla/).
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
+import kvplane_live_servers
 import pytest
 
 from kvplane.core import events as ev
 from kvplane.store import open_store
 
-
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
-
-
-_servers = _load("servers")
+_servers = kvplane_live_servers
 VllmServer, PdClient = _servers.VllmServer, _servers.PdClient
 complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
-tiny_mla_model_dir = _load("tiny_mla_model").tiny_mla_model_dir
+tiny_mla_model_dir = _servers.helper("tiny_mla_model").tiny_mla_model_dir
 
 MAX_TOKENS = 12
 LATENT = 512 + 64
