@@ -16,11 +16,12 @@ Rules kept here:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Integer, and_, case, cast, func, select
+from sqlalchemy import Engine, Integer, String, and_, case, cast, func, select
 
 from kvplane.results import request_stmt
 from kvplane.store import by_type, events_table, has_block_counts, runs_table
@@ -470,11 +471,28 @@ def transfer_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     """KV bytes planned for transfer per (receiving instance, direction, time bin): dst,
     direction, bin, bytes, transfers."""
     p = E.c.payload
+    where = (E.c.run == run_id, E.c.type == "TransferPlanned")
+    if engine.dialect.name == "sqlite":
+        # A TransferPlanned payload carries both block lists (kilobytes), and SQLite parses
+        # the whole text for every json_extract: one extract of the three fields as one JSON
+        # array, read here, is a third of the parsing (one row per transfer comes back).
+        fields = func.json_extract(E.c.payload, "$.dst", "$.direction", "$.bytes",
+                                   type_=String).label("f")
+        rows = _typed(engine, select(fields, _bin(engine, width)).where(*where))
+        cols = ["dst", "direction", "bin", "bytes", "transfers"]
+        if rows.empty:
+            return pd.DataFrame(columns=cols)
+        # one parse of all rows' arrays (not one json.loads call a row)
+        df = pd.DataFrame(json.loads("[" + ",".join(rows["f"]) + "]"),
+                          columns=["dst", "direction", "bytes"])
+        df["bin"] = rows["bin"].to_numpy()
+        return (df.groupby(["dst", "direction", "bin"], as_index=False)
+                .agg(bytes=("bytes", "sum"), transfers=("bytes", "size")))[cols]
     dst, direction = p["dst"].as_string(), p["direction"].as_string()
     return _typed(engine, select(
         dst.label("dst"), direction.label("direction"), _bin(engine, width),
         func.sum(p["bytes"].as_integer()).label("bytes"), func.count().label("transfers"),
-    ).where(E.c.run == run_id, E.c.type == "TransferPlanned").group_by(dst, direction, "bin"))
+    ).where(*where).group_by(dst, direction, "bin"))
 
 
 def prefix_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:

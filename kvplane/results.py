@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, and_, case, func, select
+from sqlalchemy import Engine, case, cast, func, null, select, union_all
 
 from kvplane.store import EventStore, RunInfo, RunNotFound, by_type, events_table, runs_table
 
@@ -84,38 +84,39 @@ def resolve_id(store: EventStore, ref: str) -> str:
 # --- per request ----------------------------------------------------------------------------
 
 
-def _when(type_name: str, value: Any, extra: Any = None) -> Any:
-    cond = E.c.type == type_name if extra is None else and_(E.c.type == type_name, extra)
-    return case((cond, value))
+def _when(type_name: str, value: Any) -> Any:
+    return case((E.c.type == type_name, value))
 
 
-def _request_fields() -> dict[str, tuple[tuple[str, ...], Any]]:
-    """Every column `request_stmt` can give: name -> (event types it reads, aggregate)."""
-    p = E.c.payload
-    arrived, routed, finished = ("RequestArrived",), ("RequestRouted",), ("RequestFinished",)
+#: A column of `request_stmt`: the aggregate over a request's rows (min or max) and the
+#: (event type, value) pairs it reads, in order of precedence: with two, the first type's
+#: value where the request has it, else the second's.
+_Field = tuple[Any, tuple[tuple[str, Any], ...]]
+
+
+def _request_fields() -> dict[str, _Field]:
+    """Every column `request_stmt` can give: name -> (aggregate, ((event type, value), ...))."""
+    p, t = E.c.payload, E.c.time
     return {
-        "arrived": (arrived, func.min(_when("RequestArrived", E.c.time))),
-        "routed": (routed, func.min(_when("RequestRouted", E.c.time))),
-        "prefill_started": (("PrefillStarted",), func.min(_when("PrefillStarted", E.c.time))),
-        "prompt_tokens": (arrived, func.max(_when("RequestArrived",
-                                                  p["prompt_tokens"].as_integer()))),
-        "output_tokens": (finished + arrived, func.coalesce(
-            func.max(_when("RequestFinished", p["output_tokens"].as_integer())),
-            func.max(_when("RequestArrived", p["output_tokens"].as_integer())))),
-        "conversation": (arrived, func.max(_when("RequestArrived",
-                                                 p["conversation"].as_string()))),
-        "turn": (arrived, func.max(_when("RequestArrived", p["turn"].as_integer()))),
-        "mode": (routed, func.max(_when("RequestRouted", p["mode"].as_string()))),
-        "bidirectional": (routed, func.max(_when("RequestRouted", case(
-            (p["bidirectional"].as_boolean().is_(True), 1), else_=0)))),
-        "prefill": (routed, func.max(_when("RequestRouted", p["prefill"].as_string()))),
-        "decode": (routed, func.max(_when("RequestRouted", p["decode"].as_string()))),
-        "finished": (finished, func.min(_when("RequestFinished", E.c.time))),
-        "ttft": (finished, func.max(_when("RequestFinished", p["ttft"].as_float()))),
-        "tpot": (finished, func.max(_when("RequestFinished", p["tpot"].as_float()))),
-        "e2e": (finished, func.max(_when("RequestFinished", p["e2e"].as_float()))),
-        "ok": (finished, func.min(_when("RequestFinished", case(
-            (p["ok"].as_boolean().is_(False), 0), else_=1)))),
+        "arrived": (func.min, (("RequestArrived", t),)),
+        "routed": (func.min, (("RequestRouted", t),)),
+        "prefill_started": (func.min, (("PrefillStarted", t),)),
+        "prompt_tokens": (func.max, (("RequestArrived", p["prompt_tokens"].as_integer()),)),
+        "output_tokens": (func.max, (("RequestFinished", p["output_tokens"].as_integer()),
+                                     ("RequestArrived", p["output_tokens"].as_integer()))),
+        "conversation": (func.max, (("RequestArrived", p["conversation"].as_string()),)),
+        "turn": (func.max, (("RequestArrived", p["turn"].as_integer()),)),
+        "mode": (func.max, (("RequestRouted", p["mode"].as_string()),)),
+        "bidirectional": (func.max, (("RequestRouted", case(
+            (p["bidirectional"].as_boolean().is_(True), 1), else_=0)),)),
+        "prefill": (func.max, (("RequestRouted", p["prefill"].as_string()),)),
+        "decode": (func.max, (("RequestRouted", p["decode"].as_string()),)),
+        "finished": (func.min, (("RequestFinished", t),)),
+        "ttft": (func.max, (("RequestFinished", p["ttft"].as_float()),)),
+        "tpot": (func.max, (("RequestFinished", p["tpot"].as_float()),)),
+        "e2e": (func.max, (("RequestFinished", p["e2e"].as_float()),)),
+        "ok": (func.min, (("RequestFinished", case(
+            (p["ok"].as_boolean().is_(False), 0), else_=1)),)),
     }
 
 
@@ -132,18 +133,33 @@ def request_stmt(run_ids: Sequence[str], times: Mapping[str, str] | None = None,
     first occurrence).
 
     The one per-request query (the CLI's results and the dashboard's pages share it): one
-    `GROUP BY (run, request)` over the few event types the fields need, each run's rows
-    found through the (run, type, ...) index (`kvplane.store.by_type`); payload fields are
-    read only inside a `CASE` on the row's type, so only from rows that have them. A request
-    recorded at several hops (a live run: router, prefill leg, decode leg) is one row."""
+    branch per event type it needs, glued with `UNION ALL` and folded by one
+    `GROUP BY (run, request)`. Each branch reads one type of the runs through the (run, type,
+    ...) index, and reads the payload only where that type has fields in it, so a type that
+    gives only times is read from the index alone, and what the grouping sorts is the
+    extracted values, not the payloads (half the CPU of folding the raw rows with `CASE` on
+    the cluster run's 50,000 requests). A request recorded at several hops (a live run:
+    router, prefill leg, decode leg) is one row."""
     known = _request_fields()
-    types = {t for f in fields for t in known[f][0]} | set((times or {}).values())
-    return select(
-        E.c.run, E.c.request,
-        *(known[f][1].label(f) for f in fields),
-        *(func.min(_when(t, E.c.time)).label(name) for name, t in (times or {}).items()),
-    ).where(E.c.run.in_(list(run_ids)), E.c.request.is_not(None), E.c.type.in_(sorted(types))
-            ).group_by(E.c.run, E.c.request)
+    spec: dict[str, _Field] = {f: known[f] for f in fields}
+    spec.update({name: (func.min, ((t, E.c.time),)) for name, t in (times or {}).items()})
+    # inner columns: one per (column, type) pair, named col__i
+    parts = [(f"{name}__{i}", agg, ty, value) for name, (agg, pairs) in spec.items()
+             for i, (ty, value) in enumerate(pairs)]
+    runs = list(run_ids)
+    branches = []
+    for ty in sorted({p[2] for p in parts}):
+        branches.append(select(E.c.run, E.c.request, *(
+            (value if t == ty else cast(null(), value.type)).label(col)
+            for col, _, t, value in parts)).where(
+            E.c.run.in_(runs), E.c.type == ty, E.c.request.is_not(None)))
+    rows = union_all(*branches).subquery("per_type") if len(branches) > 1 \
+        else branches[0].subquery("per_type")
+    outer = []
+    for name, (agg, pairs) in spec.items():
+        aggs = [agg(rows.c[f"{name}__{i}"]) for i in range(len(pairs))]
+        outer.append((aggs[0] if len(aggs) == 1 else func.coalesce(*aggs)).label(name))
+    return select(rows.c.run, rows.c.request, *outer).group_by(rows.c.run, rows.c.request)
 
 
 def request_rows(engine: Engine, run_id: str) -> list[dict[str, Any]]:
