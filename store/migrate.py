@@ -115,7 +115,7 @@ def _sqlite_from_hint(self: SQLiteCompiler, table: Any, hint: str | None) -> str
     return hint if hint is not None and hint.startswith("INDEXED BY ") else None
 
 
-SQLiteCompiler.get_from_hint_text = _sqlite_from_hint  # type: ignore[method-assign]
+SQLiteCompiler.get_from_hint_text = _sqlite_from_hint  # type: ignore[method-assign,assignment]
 
 
 @functools.lru_cache(maxsize=32)
