@@ -10,13 +10,10 @@ greedy output depends on the prompt. Built once per machine.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 RECIPE = "kvplane-tiny-mla-deepseek2-v1"
@@ -61,25 +58,10 @@ def _build(out: Path, tokenizer_dir: Path) -> None:
 
 
 def tiny_mla_model_dir(root: str | os.PathLike[str] | None = None) -> Path:
-    base = Path(root or os.environ.get("KVPLANE_TEST_CACHE",
-                                       Path(tempfile.gettempdir()) / "kvplane-test-cache"))
-    base.mkdir(parents=True, exist_ok=True)
-    target = base / RECIPE
-    tokenizer_dir = _tiny_model().tiny_model_dir(root)  # type: ignore[attr-defined]
-    with open(base / f"{RECIPE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "kvplane_recipe.json").exists():
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f"{RECIPE}-", dir=base))
-        try:
-            _build(tmp, tokenizer_dir)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The MLA model folder (tokenizer from tiny_model.py's Llama), built on first use."""
+    tiny = _tiny_model()
+    tokenizer_dir = tiny.tiny_model_dir(root)  # type: ignore[attr-defined]
+    return tiny.built(RECIPE, lambda out: _build(out, tokenizer_dir), root)  # type: ignore[attr-defined,no-any-return]
 
 
 if __name__ == "__main__":
