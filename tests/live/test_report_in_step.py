@@ -23,7 +23,7 @@ unit = kvplane_live_servers.helper("test_connector_unit")
 def _pull_until_read(pair: Any, xfer: str) -> tuple[Any, Any]:
     """A pull whose READ has just ended on decode (the fact applied, no step since)."""
     prompt = unit.PROMPT
-    rp, (_, params) = unit.run_prefill(pair, xfer, prompt, [1, 2, 3, 4, 5])
+    _, (_, params) = unit.run_prefill(pair, xfer, prompt, [1, 2, 3, 4, 5])
     D = pair.halves["D"]
     rd = unit.request(f"{xfer}-d", params, prompt)
     D.on_new_request(rd)
