@@ -488,10 +488,7 @@ class PrefillInstance(Instance):
         before = self.sim.env.now
         cached = yield from self.sim.router.reuse(self, r, cached)
         if self.sim.env.now > before:  # a read: vLLM learns of it from a step's output
-            # (the empty step in flight when the read ended: an engine step, on a shared
-            # host slowed like prefill's steps; docs/notes/live-findings.md)
-            yield self.sim.env.timeout(self.sim.hop(self.sim.costs.empty_step_time(),
-                                                    "prefill_step"))
+            yield self.sim.env.timeout(self.sim.costs.empty_step_time())
         self.loading -= 1
         self._run(r, cached)
         self.poke()
