@@ -109,4 +109,6 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
     # suite red
     if abs(res.error(0.5)) > 0.10 or abs(res.error(0.9)) > 0.20:
         pytest.xfail(f"prediction of B outside the target: p50 {res.error(0.5):+.1%} "
-                     f"(target 10 %), p90 {res.error(0.9):+.1%} (target 20 %)")
+                     f"(target 10 %), p90 {res.error(0.9):+.1%} (target 20 %); host load "
+                     f"average {loads['A_start']:.1f}-{loads['A_end']:.1f} during A, "
+                     f"{loads['B_start']:.1f}-{loads['B_end']:.1f} during B")
