@@ -89,6 +89,30 @@ def rank_heads(vllm_config: Any) -> int:
     return int(mc.get_num_kv_heads(vllm_config.parallel_config))
 
 
+def loads_reported_in_output(scheduler_cls: Any) -> bool:
+    """Whether vLLM's scheduler calls `update_connector_output` on a step's connector output
+    before it reads that output's `finished_recving` (`_update_from_kv_xfer_finished`; both
+    0.25.1 and 0.32 do). Then the scheduler half can add the loads its core has just decided
+    finished to that output, and vLLM schedules them in the next step instead of one step
+    later through the workers. A feature test on the installed source (False when it cannot be
+    read: the connector then reports only through the workers)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(scheduler_cls._update_from_kv_xfer_finished))
+        tree = ast.parse(src)
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return False
+    calls = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "update_connector_output"]
+    loops = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.For)
+             and any(isinstance(a, ast.Attribute) and a.attr == "finished_recving"
+                     for a in ast.walk(n.iter))]
+    return bool(calls and loops) and min(calls) < min(loops)
+
+
 def share_vllm_logging() -> None:
     """Give the `kvplane` logger vLLM's handlers (it has none of its own; without this its INFO
     lines go nowhere)."""
@@ -127,6 +151,12 @@ def _build() -> dict[str, Any]:
 
     logger = logging.getLogger("kvplane.live.connector")
     api = vllm_compat.detect()
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        early_loads = loads_reported_in_output(Scheduler)
+    except Exception:  # noqa: BLE001 - any doubt: report through the workers only
+        early_loads = False
     # vLLM's log handler covers the "vllm" namespace: this line shows in the server's log
     logging.getLogger("vllm.kvplane").info("KvplaneConnector for vLLM %s (%s)", api.version,
                                            api.results)
@@ -236,6 +266,8 @@ def _build() -> dict[str, Any]:
             self._local_tokens: dict[str, int] = {}
             self._load_blocks: dict[str, tuple[int, ...]] = {}
             self._load_errors: set[int] = set()
+            # finished loads reach vLLM in the step output the scheduler learns of them in
+            self.report_in_step = early_loads
             backend = nixl_backend((ktc.kv_connector_extra_config or {}).get("backends", "UCX"))
             if role == KVConnectorRole.SCHEDULER:
                 if vllm_config.cache_config.enable_prefix_caching:
@@ -317,6 +349,25 @@ def _build() -> dict[str, Any]:
                     except Exception as exc:  # noqa: BLE001 - the wall, fact by fact
                         self.sched.fault(f"fact {fact.kind} not applied", exc,
                                          request=fact.xfer, attempt=fact.attempt)
+            if self.report_in_step:
+                self._report_loaded(connector_output)
+
+        @_wall(lambda self, *a: None)
+        def _report_loaded(self, connector_output: Any) -> None:
+            """Loads the core decided finished (facts the side channel or this output brought),
+            added to the output vLLM reads next: it schedules them in the next step."""
+            assert self.sched is not None
+            done = self.sched.take_loaded()
+            if not done:
+                return
+            try:
+                connector_output.finished_recving = set(
+                    connector_output.finished_recving or ()) | done
+            except Exception:
+                self.sched.put_back_loaded(done)
+                raise
+            for rid in done:
+                self._load_blocks.pop(rid, None)
 
         @_wall(lambda self, *a: None)
         def on_new_request(self, request: Any) -> None:

@@ -9,7 +9,9 @@ How it works:
   `KVReceived` a `finished_recving` report. Nothing here decides a protocol question itself.
 - Orders and reports leave with the next step's connector metadata; the worker carries out the
   orders on its transfer thread and repeats the reports to vLLM in that same step, so vLLM frees
-  or schedules exactly what the core decided (one engine step after the decision).
+  or schedules exactly what the core decided (one engine step after the decision). A load that
+  finished well is reported sooner where vLLM allows it: in the step output the scheduler
+  learns of it in (`take_loaded`, see connector.py).
 - Facts come back from the workers (a transfer ended, a notification arrived) in the step's
   worker metadata; `update_connector_output` feeds them to the cores.
 - Request identity across instances is the transfer id (`kvplane.xfer` in the params), not
@@ -887,6 +889,23 @@ class SchedulerHalf:
             return True, None  # the core holds them: freed when it says so
         self._forget(req)
         return False, None
+
+    @_locked
+    def take_loaded(self) -> set[str]:
+        """The requests whose load the core has decided finished well and that no step has
+        reported to vLLM yet, taken out of the next step's report: the facade hands them to
+        vLLM in the step output it is reading now (`KvplaneConnector.update_connector_output`),
+        one engine step earlier than through the workers. Failed loads stay on the workers'
+        path (vLLM reads those before it calls the connector)."""
+        p = self.pending
+        done = p.finished_recving - p.failed_recving
+        p.finished_recving -= done
+        return done
+
+    @_locked
+    def put_back_loaded(self, rids: set[str]) -> None:
+        """`take_loaded`'s requests could not be handed over: the next step reports them."""
+        self.pending.finished_recving |= rids
 
     @_locked
     def has_pending_work(self) -> bool:

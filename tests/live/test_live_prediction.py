@@ -44,6 +44,12 @@ lw = kvplane_live_servers.helper("live_workloads")
 SEEDS = 20
 
 
+def _load_average() -> float:
+    """The host's one-minute load average (how busy the shared machine was), for the report."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
 def test_calibrated_on_one_live_run_predicts_another() -> None:
     from kvplane.sim.calibration import apply_calibration, calibration_for
     from kvplane.sim.live_calibration import describe, fit_live, percentile, predict
@@ -54,13 +60,17 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
     runs = f"sqlite:///{cluster.logs / 'runs.db'}"
     try:
         lw.warm_up(cluster, [lw.WORKLOAD_A, lw.WORKLOAD_B])
+        loads = {"A_start": _load_average()}
         a = lw.run(cluster.router.use("pull"), lw.WORKLOAD_A, "A")
+        loads["A_end"] = _load_average()
         lw.settle(cluster.db, cluster.run, a)
         lw.keep_run(cluster.db, cluster.run, a, runs, "A", scenario.model_dump(mode="json"))
         with open_store(runs) as store:  # fitted from A alone, before B exists
             fit = fit_live(store, "A", scenario.model, scenario.hardware,
                            calibration_for(scenario), block_size=scenario.engine.block_size)
+        loads["B_start"] = _load_average()
         b = lw.run(cluster.router.use("bidirectional"), lw.WORKLOAD_B, "B")
+        loads["B_end"] = _load_average()
         lw.settle(cluster.db, cluster.run, b)
         lw.keep_run(cluster.db, cluster.run, b, runs, "B", scenario.model_dump(mode="json"))
     finally:
@@ -69,7 +79,8 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
     with open_store(runs) as store:
         res = predict(store, "B", predicted, SEEDS)
         own = predict(store, "A", predicted, SEEDS)  # the calibration set, for reference
-    report = [*describe(fit), *own.lines(), *res.lines()]
+    report = [*describe(fit), *own.lines(), *res.lines(),
+              "host load average (1 min): " + ", ".join(f"{k} {v:.1f}" for k, v in loads.items())]
     print("\n" + "\n".join(report))
     (cluster.logs / "prediction.json").write_text(json.dumps({
         "calibration": fit.calibration.model_dump(mode="json"),
@@ -78,7 +89,7 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
         "b": {"live": res.live, "predicted": res.predicted, "error_p50": res.error(0.5),
               "error_p90": res.error(0.9), "reads_live": res.reads_live,
               "reads_twin": res.reads_twin},
-        "report": report}, indent=1))
+        "load_average": loads, "report": report}, indent=1))
     # B is the workload it claims to be: every request recorded, later turns read decode's KV
     assert len(res.live) == len(b)
     later_turns = lw.WORKLOAD_B.conversations * (lw.WORKLOAD_B.turns - 1)
@@ -91,9 +102,13 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
         lo, hi = own.live_interval(p)
         assert lo <= percentile(own.predicted, p) <= hi, report
     # the issue's target for the prediction of B: p50 within 10 %, p90 within 20 %. Not met
-    # reliably on the shared 2-core host (docs/validation.md: a reuse read's pin waits on a
-    # busy decode process, which run A cannot show); reported, with the figures, as an
-    # expected failure when missed rather than turning the suite red
+    # reliably on the shared 2-core host (docs/validation.md: B's hops are slowed more than
+    # A's, by decode's engine stepping while it retains KV, which run A cannot show, and the
+    # recorded percentiles of 32 requests are themselves uncertain by a factor of 2);
+    # reported, with the figures, as an expected failure when missed rather than turning the
+    # suite red
     if abs(res.error(0.5)) > 0.10 or abs(res.error(0.9)) > 0.20:
         pytest.xfail(f"prediction of B outside the target: p50 {res.error(0.5):+.1%} "
-                     f"(target 10 %), p90 {res.error(0.9):+.1%} (target 20 %)")
+                     f"(target 10 %), p90 {res.error(0.9):+.1%} (target 20 %); host load "
+                     f"average {loads['A_start']:.1f}-{loads['A_end']:.1f} during A, "
+                     f"{loads['B_start']:.1f}-{loads['B_end']:.1f} during B")
