@@ -447,7 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-gib", type=float, default=8.0, help="GPU: KV pool per server")
     ap.add_argument("--pool-prompts", type=float, default=4.0,
                     help="CPU: KV pool per server in prompts of --tokens")
-    ap.add_argument("--lease-ttl", type=float, default=20.0)
+    ap.add_argument("--lease-ttl", type=float, default=10.0,
+                    help="seconds decode retains a conversation's KV (bidirectional)")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds after start when no new exchange begins (0: none); the "
+                         "report is still written")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--no-plain", action="store_true",
@@ -456,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    started = time.monotonic()
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     args.dtype = "bfloat16" if gpu else "float32"
     block = 16 if gpu else 32
@@ -494,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  healthy after {time.monotonic() - t0:.0f} s; KV pools (tokens): {pools}",
           flush=True)
     rows: list[Exchange] = []
+    skipped: list[str] = []
     refs: dict[tuple[int, ...], list[int]] = {}
     failures: list[str] = []
 
@@ -507,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                 pr.router.stop()
 
     def one(pr: Pair, phase: str, mode: str, rep: int, seed: int, frag: bool) -> None:
+        if args.deadline and time.monotonic() - started > args.deadline:
+            skipped.append(f"{phase} {mode} {pr.variant} rep {rep}")
+            return
         if frag:
             fragment(pr, pools, args, seed * 1000 + 17)
         try:
@@ -567,14 +576,14 @@ def main(argv: list[str] | None = None) -> int:
     exact = sum(1 for x in rows if x.reference is not None and x.tokens == x.reference)
     print(f"\ntokens equal across variants: {same}; equal to the plain server: {exact}/"
           f"{len(rows)}{' (no plain server)' if plain is None else ''}; failures: "
-          f"{failures or 'none'}")
+          f"{failures or 'none'}; skipped at the deadline: {skipped or 'none'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "device": torch.cuda.get_device_name(0) if gpu else "cpu",
             "vllm": _vllm_version(), "args": {k: str(v) for k, v in vars(args).items()},
             "kv_bytes_per_token": per_token, "pools_tokens": pools, "run": run,
-            "summary": lines, "same_across_variants": same, "failures": failures,
+            "summary": lines, "same_across_variants": same, "failures": failures, "skipped": skipped,
             "exchanges": [x.record() for x in rows]}, indent=1))
         print(f"written {args.json}")
     if os.environ.get("KVPLANE_BENCH_LOGS_TGZ"):
