@@ -480,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                   "kv_bytes": int(args.kv_gib * 2**30),
                   "num_blocks": int(args.pool_prompts * args.tokens / block) + 1,
                   "prefix_caching": True}
+    # KVPLANE_STAGING_TRACE: a failed staged job's log line lists its steps (live/staging.py)
     env = {"KVPLANE_HANDLE_KEY": HANDLE_KEY, "KVPLANE_LOG_TRANSFERS": "1",
+           "KVPLANE_STAGING_TRACE": "1",
            "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     pairs: list[Pair] = []
     for v in args.variants:
