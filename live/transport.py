@@ -12,6 +12,8 @@ How it works:
   can name any byte of any layer by one integer.
 - Handshake, out of band (the caller carries the bytes: a side channel, a pipe): each side sends
   `local_info()` (NIXL agent metadata plus our region layout) and the other calls `add_peer`.
+  Adding a known peer again with the same layout keeps its connection (`remove_peer` first to
+  reconnect).
   Register everything before the first `local_info()`/`add_peer`: after that the layout is frozen.
 - `add_peer` prepares both descriptor lists once per peer (`prep_xfer_dlist`), cut into granules
   of gcd(our granule, peer's granule) bytes. A transfer then only picks indices
@@ -457,7 +459,17 @@ class Transport:
                 # UCX can move DRAM<->VRAM, but one prepared pair of lists keeps one kind each;
                 # nothing here needs mixed kinds yet.
                 raise PeerError(f"peer memory is {peer_info.mem_kind}, ours {self.mem_kind}")
-            if peer_info.agent_name in self._peers:
+            known = self._peers.get(peer_info.agent_name)
+            if known is not None:
+                k = known.info
+                if (k.mem_kind, k.granule, k.regions, k.staging_slot) == (
+                        peer_info.mem_kind, peer_info.granule, peer_info.regions,
+                        peer_info.staging_slot):
+                    # The same agent (its name is unique to its process) met again, say by the
+                    # stager and then by the connector's handshake: keep the connection. Removing
+                    # and re-adding it here drops the peer's next messages without an error (on
+                    # one H200 over cuda_ipc, a staged READ's request never arrived).
+                    return peer_info.agent_name
                 self.remove_peer(peer_info.agent_name)
             try:
                 loaded = self._agent.add_remote_agent(peer_info.agent_metadata)
