@@ -910,6 +910,11 @@ class Stager:
             return False
         return peer in self.t._peers
 
+    def parked(self) -> bool:
+        """No receive slot is free and some rest after a failed job: a new staged receive
+        would wait up to `stale_s` for them."""
+        return not self.free_recv and bool(self.resting)
+
     # -- progress --------------------------------------------------------------------------------
 
     def advance(self) -> None:

@@ -521,7 +521,7 @@ class Transport:
             if not len(merged):
                 t.finish(Status.DONE)
                 return t
-            if self.method_for(peer, nbytes, t.descriptors) == "staged":
+            if self.method_for(peer, nbytes, t.descriptors, op=op) == "staged":
                 assert self._stager is not None
                 chunk = min(self._slot_bytes, p.info.staging_slot)
                 t.method, t.descriptors = "staged", -(-nbytes // chunk)
@@ -579,7 +579,8 @@ class Transport:
                 t.finish(Status.DONE)
                 return t
             chunk = min(self._slot_bytes, p.info.staging_slot) // local.piece * local.piece
-            if chunk and self.method_for(peer, nbytes, t.descriptors, runs=len(lid)) == "staged":
+            if chunk and self.method_for(peer, nbytes, t.descriptors, runs=len(lid),
+                                         op=op) == "staged":
                 assert self._stager is not None
                 t.method, t.descriptors = "staged", -(-nbytes // chunk)
                 self._stager.post_blocks(peer, op, local, lid, remote, rid, notify, t, chunk,
@@ -634,14 +635,19 @@ class Transport:
             self._release(t)
             t.finish(Status.DONE)
 
-    def method_for(self, peer: str, nbytes: int, descriptors: int, *, runs: int = -1) -> str:
-        """"direct" or "staged": what `post` would do for a transfer of this shape."""
+    def method_for(self, peer: str, nbytes: int, descriptors: int, *, runs: int = -1,
+                   op: str = "WRITE") -> str:
+        """"direct" or "staged": what `post` would do for a transfer of this shape. A READ
+        (we receive) finds no staging when every receive slot is parked after a failed job
+        (they rest for `stale_s`): it then goes direct rather than waiting for them."""
         cfg, p = self._staging, self._peers.get(peer)
         available = (self._stager is not None and p is not None and p.info.staging_slot > 0)
         if cfg is not None and cfg.force is not None:
             return cfg.force if available else "direct"
         if cfg is None:
             return "direct"
+        if op == "READ" and self._stager is not None and self._stager.parked():
+            available = False
         costs = cfg.costs or DEFAULT_COSTS[self.mem_kind]
         return choose(costs, nbytes, descriptors, staging_available=available,
                       runs=descriptors if runs < 0 else runs)
