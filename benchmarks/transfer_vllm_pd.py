@@ -134,7 +134,9 @@ def _build_model(out: Path, args: argparse.Namespace, tokenizer_dir: Path) -> No
                     p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
                     p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "kvplane_recipe.json").write_text(json.dumps({"shape": vars(args)["layers"]}))
+    (out / "kvplane_recipe.json").write_text(json.dumps({
+        "layers": args.layers, "kv_heads": kv, "head_dim": d, "heads": q, "hidden": h,
+        "intermediate": inter, "dtype": args.dtype, "seed": 4321}))
 
 
 # ---- servers and routers -------------------------------------------------------------------------
