@@ -34,6 +34,7 @@ import concurrent.futures as cf
 import json
 import logging
 import math
+import os
 import queue
 import re
 import threading
@@ -55,6 +56,9 @@ from kvplane.live.connector_wire import (
 from kvplane.live.sidechannel import FactSender, fetch, rank_key
 
 logger = logging.getLogger(__name__)
+# KVPLANE_LOG_TRANSFERS=1: one INFO line per finished READ or WRITE (method, descriptors, time
+# from post to done), for benchmarks/transfer_vllm_pd.py
+LOG_TRANSFERS = os.environ.get("KVPLANE_LOG_TRANSFERS", "") not in ("", "0")
 
 
 Plane = tuple[int, int, int, int]  # (offset in the block, lines, line stride, token stride)
@@ -527,6 +531,16 @@ class Stats:
                 "ops": self.ops, "failed": self.failed}
 
 
+def _log_transfer(f: _InFlight) -> None:
+    res = f.transfer.result
+    logger.info("kvplane transfer %s %d %s %s: %d bytes, %s, %d descriptors, %.3f ms",
+                f.order.xfer, f.order.attempt, f.order.kind,
+                "ok" if res is not None and res.ok else "failed",
+                res.nbytes if res is not None else 0, f.transfer.method,
+                res.descriptors if res is not None else 0,
+                (time.perf_counter() - f.started) * 1e3)
+
+
 class TransferThread:
     """Owns the transport once started; see the module docstring."""
 
@@ -711,6 +725,7 @@ class TransferThread:
             return
         op = "WRITE" if order.kind == "write" else "READ"
         notify = order.notify if order.kind == "write" else b""
+        posted = time.perf_counter()  # the transfer's time includes posting (planning, NIXL)
         try:
             whole = whole_block_runs(order, self.geometry, geom)
             if whole is not None:
@@ -727,7 +742,7 @@ class TransferThread:
         except ValueError as exc:  # TransportError is one: a layout that does not fit
             self._fact(order, done, False, f"cannot map blocks: {exc}")
             return
-        self._inflight.append(_InFlight(order, peer, t, time.perf_counter()))
+        self._inflight.append(_InFlight(order, peer, t, posted))
 
     def _poll(self) -> bool:
         if not self._inflight:
@@ -745,6 +760,8 @@ class TransferThread:
                 still.append(f)
                 continue
             changed = True
+            if LOG_TRANSFERS:
+                _log_transfer(f)
             self._finish(f)
         self._inflight = still
         return changed

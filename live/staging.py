@@ -819,7 +819,11 @@ class Stager:
             return
         job = self.jobs.get(key)
         if kind in ("offer", "pull"):
-            if job is not None or runs is None or not self._know(peer, hdr):
+            if job is not None:  # a repeat
+                return
+            if runs is None or not self._know(peer, hdr):
+                logger.warning("%s: staged %s %s from %s dropped: %s", self.t.name, kind,
+                               key[1], peer, "no runs" if runs is None else "unknown peer")
                 return
             g, c, n = int(hdr["g"]), int(hdr["c"]), int(hdr["n"])
             layout = None
@@ -905,6 +909,11 @@ class Stager:
             logger.warning("%s: cannot add staging peer %s: %s", self.t.name, peer, exc)
             return False
         return peer in self.t._peers
+
+    def parked(self) -> bool:
+        """No receive slot is free and some rest after a failed job: a new staged receive
+        would wait up to `stale_s` for them."""
+        return not self.free_recv and bool(self.resting)
 
     # -- progress --------------------------------------------------------------------------------
 
@@ -1052,6 +1061,14 @@ class Stager:
         if job.failed:
             return
         job.failed = reason
+        logger.warning(
+            "%s: staged %s job %s with %s failed: %s (chunks %d, done %d, granted %d, grants "
+            "waiting %d, in flight %s; free send slots %d, receive %d, resting %d)%s",
+            self.t.name, job.role, job.key[1], job.key[0], reason, job.chunks, job.finished,
+            job.next_grant, len(job.grants), [(i[0], i[3]) for i in job.active],
+            len(self.free_send), len(self.free_recv), len(self.resting),
+            "" if self.trace is None else
+            f"; its steps: {[(round(t, 4), step) for t, j, step in self.trace if j == job.key[1]]}")
         if job.role == "recv":
             # Granted slots not being scattered: the holder may still be writing into them, so
             # they rest for stale_s before another job may be granted them.

@@ -12,6 +12,8 @@ How it works:
   can name any byte of any layer by one integer.
 - Handshake, out of band (the caller carries the bytes: a side channel, a pipe): each side sends
   `local_info()` (NIXL agent metadata plus our region layout) and the other calls `add_peer`.
+  Adding a known peer again with the same layout keeps its connection (`remove_peer` first to
+  reconnect).
   Register everything before the first `local_info()`/`add_peer`: after that the layout is frozen.
 - `add_peer` prepares both descriptor lists once per peer (`prep_xfer_dlist`), cut into granules
   of gcd(our granule, peer's granule) bytes. A transfer then only picks indices
@@ -457,7 +459,17 @@ class Transport:
                 # UCX can move DRAM<->VRAM, but one prepared pair of lists keeps one kind each;
                 # nothing here needs mixed kinds yet.
                 raise PeerError(f"peer memory is {peer_info.mem_kind}, ours {self.mem_kind}")
-            if peer_info.agent_name in self._peers:
+            known = self._peers.get(peer_info.agent_name)
+            if known is not None:
+                k = known.info
+                if (k.mem_kind, k.granule, k.regions, k.staging_slot) == (
+                        peer_info.mem_kind, peer_info.granule, peer_info.regions,
+                        peer_info.staging_slot):
+                    # The same agent (its name is unique to its process) met again, say by the
+                    # stager and then by the connector's handshake: keep the connection. Removing
+                    # and re-adding it here drops the peer's next messages without an error (on
+                    # one H200 over cuda_ipc, a staged READ's request never arrived).
+                    return peer_info.agent_name
                 self.remove_peer(peer_info.agent_name)
             try:
                 loaded = self._agent.add_remote_agent(peer_info.agent_metadata)
@@ -509,7 +521,7 @@ class Transport:
             if not len(merged):
                 t.finish(Status.DONE)
                 return t
-            if self.method_for(peer, nbytes, t.descriptors) == "staged":
+            if self.method_for(peer, nbytes, t.descriptors, op=op) == "staged":
                 assert self._stager is not None
                 chunk = min(self._slot_bytes, p.info.staging_slot)
                 t.method, t.descriptors = "staged", -(-nbytes // chunk)
@@ -567,7 +579,8 @@ class Transport:
                 t.finish(Status.DONE)
                 return t
             chunk = min(self._slot_bytes, p.info.staging_slot) // local.piece * local.piece
-            if chunk and self.method_for(peer, nbytes, t.descriptors, runs=len(lid)) == "staged":
+            if chunk and self.method_for(peer, nbytes, t.descriptors, runs=len(lid),
+                                         op=op) == "staged":
                 assert self._stager is not None
                 t.method, t.descriptors = "staged", -(-nbytes // chunk)
                 self._stager.post_blocks(peer, op, local, lid, remote, rid, notify, t, chunk,
@@ -622,14 +635,19 @@ class Transport:
             self._release(t)
             t.finish(Status.DONE)
 
-    def method_for(self, peer: str, nbytes: int, descriptors: int, *, runs: int = -1) -> str:
-        """"direct" or "staged": what `post` would do for a transfer of this shape."""
+    def method_for(self, peer: str, nbytes: int, descriptors: int, *, runs: int = -1,
+                   op: str = "WRITE") -> str:
+        """"direct" or "staged": what `post` would do for a transfer of this shape. A READ
+        (we receive) finds no staging when every receive slot is parked after a failed job
+        (they rest for `stale_s`): it then goes direct rather than waiting for them."""
         cfg, p = self._staging, self._peers.get(peer)
         available = (self._stager is not None and p is not None and p.info.staging_slot > 0)
         if cfg is not None and cfg.force is not None:
             return cfg.force if available else "direct"
         if cfg is None:
             return "direct"
+        if op == "READ" and self._stager is not None and self._stager.parked():
+            available = False
         costs = cfg.costs or DEFAULT_COSTS[self.mem_kind]
         return choose(costs, nbytes, descriptors, staging_available=available,
                       runs=descriptors if runs < 0 else runs)

@@ -105,7 +105,7 @@ class Peer:
         self.proc = ctx.Process(target=_peer_main, args=(child, name, PEER_BYTES, seed),
                                 daemon=True)
         self.proc.start()
-        info = self._recv()
+        self.info = info = self._recv()
         self.conn.send(parent.local_info())
         self.name = parent.add_peer(info)
         assert self.name == name
@@ -348,3 +348,30 @@ def test_import_without_nixl_works_and_says_how_to_install() -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "HINT"
+
+
+def test_a_known_peer_added_again_keeps_its_connection(
+        parent: tuple[Transport, np.ndarray]) -> None:
+    """A transport meets a peer twice (the stager adds the reader that sent it a staged READ,
+    later the connector adds the same peer from its own handshake): the second add must not
+    drop the connection, or the peer's next messages are lost without an error (seen on an
+    H200: a staged READ's request never arrived, and the READ timed out)."""
+    transport, _ = parent
+    p = Peer(transport, f"kvplane-test-readd-{os.getpid()}", seed=9)
+    try:
+        assert p.ask(transport, "send", b"readd:before")
+        assert transport.wait_notification(b"readd:before", XFER_TIMEOUT) is not None
+        prepared = transport._peers[p.name]
+        assert transport.add_peer(p.info) == p.name
+        # kept, not removed and loaded again (on host memory UCX happens to survive that; on
+        # a GPU over cuda_ipc it did not)
+        assert transport._peers[p.name] is prepared
+        for i in range(3):
+            message = f"readd:after-{i}".encode()
+            assert p.ask(transport, "send", message)
+            got = transport.wait_notification(message, 10.0)
+            assert got is not None, f"message {i} from the re-added peer never arrived"
+        buf_runs = [(0, 0, G)]
+        assert p.ask(transport, "write", buf_runs, b"readd:write") == Status.DONE.value
+    finally:
+        p.stop()

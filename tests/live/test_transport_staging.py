@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -209,6 +210,36 @@ def test_the_estimate_chooses_staging_for_fragments_and_direct_for_runs() -> Non
         assert frag.ok and whole.ok
         assert peer.ask(t, "notif", b"w", TIMEOUT) == b"w"
         assert peer.ask(t, "pieces", [i * G for i in range(200)]) == buf[:200 * G].tobytes()
+    finally:
+        peer.stop()
+        t.close()
+
+
+def test_a_read_goes_direct_while_every_receive_slot_rests() -> None:
+    """After a failed staged receive its granted slots rest for stale_s (the holder may still
+    write into them); a READ meanwhile goes direct instead of timing out waiting for them."""
+    costs = MethodCosts(bandwidth=5e9, per_descriptor=20e-6, copy_bandwidth=5e9,
+                        round_trip=100e-6, chunk_bytes=SLOT, overlap=False)
+    t, buf = _parent(None, costs)
+    peer = Peer(t, f"kvplane-stage-parked-{os.getpid()}", seed=10)
+    try:
+        ours, theirs = scattered(12, 150)
+        assert t.transfer(peer.name, "READ", runs_of(ours, theirs), timeout=TIMEOUT).method \
+            == "staged"
+        stager = t._stager
+        assert stager is not None and not stager.parked()
+        rest_until = time.monotonic() + 3600  # as _fail parks a failed job's granted slots
+        stager.resting = [(rest_until, stager.pool_offset + s * SLOT) for s in stager.free_recv]
+        stager.free_recv.clear()
+        assert stager.parked()
+        buf[:] = 0
+        res = t.transfer(peer.name, "READ", runs_of(ours, theirs), timeout=TIMEOUT)
+        assert res.ok and res.method == "direct", res
+        expected = peer.ask(t, "pieces", [int(o) for o in theirs])
+        assert b"".join(buf[o:o + G].tobytes() for o in ours) == expected
+        # a WRITE still stages: the peer receives it, into its own slots
+        res = t.transfer(peer.name, "WRITE", runs_of(ours, theirs), timeout=TIMEOUT)
+        assert res.ok and res.method == "staged", res
     finally:
         peer.stop()
         t.close()
