@@ -252,8 +252,9 @@ def test_standalone_notification_and_prefix_match(parent: tuple[Transport, np.nd
     assert got == (transport.name, b"register:req-9")
 
 
-def test_misuse_raises_but_unknown_peer_is_a_result(parent: tuple[Transport, np.ndarray]) -> None:
-    transport, _ = parent
+def test_misuse_raises_but_unknown_peer_is_a_result(parent: tuple[Transport, np.ndarray],
+                                                    peer: Peer) -> None:
+    transport, _ = parent  # `peer`: the handshake has happened, even when run alone
     result = transport.transfer("nobody", "WRITE", [(0, 0, G)], timeout=1.0)
     assert result.status is Status.FAILED and "unknown peer" in result.reason
     with pytest.raises(ValueError):
