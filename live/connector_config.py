@@ -12,9 +12,12 @@ place that reads a file, called when the connector starts, not when the config i
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -125,6 +128,14 @@ class ConnectorConfig:
                      "transfer_timeout", "decoder_kv_blocks_ttl"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be positive")
+        if cfg.transfer_timeout >= cfg.kv_lease_duration:
+            # decode pins prefill's KV for a pull READ for the whole transfer time-out, and
+            # prefill refuses a pin that outlives its hold lease: with the same settings on
+            # both sides every pull READ is refused and decode computes the prompt itself
+            log.warning("kvplane connector: transfer_timeout (%g s) is not below "
+                        "kv_lease_duration (%g s): a prefill with these settings refuses "
+                        "every pull READ's pin, and decode recomputes instead",
+                        cfg.transfer_timeout, cfg.kv_lease_duration)
         return cfg
 
 

@@ -525,6 +525,17 @@ def test_config_refuses_unknown_keys_and_a_key_in_the_config(tmp_path: Any,
     assert ConnectorConfig.from_extra({"backends": ["UCX"]}).backends == ("UCX",)
 
 
+def test_config_warns_when_a_pull_pin_would_outlive_the_lease(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="kvplane.live.connector_config"):
+        ConnectorConfig.from_extra({"kv_lease_duration": 10.0, "transfer_timeout": 20.0})
+    assert any("refuses every pull READ" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvplane.live.connector_config"):
+        ConnectorConfig.from_extra({})  # the defaults: 20 s below 30 s
+    assert not caplog.records
+
+
 def test_a_read_pins_the_lease_it_reads_under() -> None:
     key = b"unit-test-key-0123456789abcdef"
     pair = Pair()
