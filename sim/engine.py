@@ -29,6 +29,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import not_, or_
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -396,32 +397,50 @@ class BlockPool:
 
     def hits(self, hashes: list[int], limit: int) -> list[int]:
         """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks)."""
-        out = []
-        for h in hashes[:limit]:
-            b = self.block_of.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        out = list(map(self.block_of.get, hashes[:limit]))
+        if None in out:
+            del out[out.index(None):]
+        return out  # type: ignore[return-value]  # the Nones are cut off
+
+    def free_of(self, blocks: list[int]) -> list[int]:
+        """Those of `blocks` (cache hits) that no request holds: they wait in the free queue."""
+        return list(filter(self.queue.lru.__contains__, blocks))
 
     def free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left once `blocks` (cache hits) are taken out of the queue."""
-        return self.free - sum(1 for b in blocks if b in self.queue)
+        return self.free - len(self.free_of(blocks))
 
     def touch(self, blocks: list[int]) -> None:
+        lru, ref = self.queue.lru, self.ref
+        free = self.free_of(blocks)
+        if len(free) == len(blocks) and len(set(blocks)) == len(blocks):
+            # the usual case, distinct free blocks (no holder): out of the queue, one holder
+            deque(map(lru.pop, blocks), maxlen=0)
+            ref.update(dict.fromkeys(blocks, 1))
+            return
         for b in blocks:
-            if b in self.queue:
-                self.queue.remove(b)
-            self.ref[b] = self.ref.get(b, 0) + 1
+            if b in lru:
+                del lru[b]
+            ref[b] = ref.get(b, 0) + 1
 
     def cache(self, hashes: list[int], blocks: tuple[int, ...]) -> None:
         """Register the full blocks of a computed prompt in the prefix cache."""
         if not self.prefix_caching:
             return
-        for h, b in zip(hashes, blocks, strict=False):
-            if h not in self.block_of and b not in self.hash_of:
-                self.block_of[h] = b
-                self.hash_of[b] = h
+        block_of, hash_of = self.block_of, self.hash_of
+        pairs = list(zip(hashes, blocks, strict=False))
+        # pairs whose hash is not cached yet and whose block has no hash: C-level passes
+        known = map(or_, map(block_of.__contains__, hashes), map(hash_of.__contains__, blocks))
+        new = list(itertools.compress(pairs, map(not_, known)))
+        hs, bs = [h for h, _ in new], [b for _, b in new]
+        if len(set(hs)) == len(hs) and len(set(bs)) == len(bs):  # distinct: all go in at once
+            block_of.update(new)
+            hash_of.update(zip(bs, hs))
+            return
+        for h, b in new:
+            if h not in block_of and b not in hash_of:
+                block_of[h] = b
+                hash_of[b] = h
 
 
 class Instance:
@@ -538,7 +557,7 @@ class PrefillInstance(Instance):
             # A hit block another running request holds is shared in vLLM; the event log's
             # ledger (kvplane.core.replay) knows one owner per block, so such a block is
             # stood in for by a fresh one: the compute is still saved, only its id differs.
-            free_hit = [b for b in hit if b in self.pool.queue]
+            free_hit = self.pool.free_of(hit)
             need = -(-r.prompt // bs) - len(free_hit)
             if self.pool.free_after_touch(free_hit) < need:
                 return  # freed blocks (a finished transfer) wake the loop again
