@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from itertools import compress, repeat
 from operator import add, ne, or_
 from typing import Any
@@ -210,8 +211,10 @@ def _merge_equal(
     return tuple(runs)
 
 
+@lru_cache(maxsize=256)
 def fan_out(src: KVLayout, dst: KVLayout) -> tuple[Stream, ...]:
-    """Which producer rank writes how many heads to which consumer rank."""
+    """Which producer rank writes how many heads to which consumer rank (a function of the two
+    layouts alone, so computed once per pair; a bad pair's `PeerError` is raised each time)."""
     if src.num_kv_heads != dst.num_kv_heads:
         raise PeerError(
             f"KV heads differ: producer {src.num_kv_heads}, consumer {dst.num_kv_heads}"
