@@ -29,7 +29,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from operator import not_, or_
+from operator import ne, not_, or_, sub
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -216,6 +216,11 @@ class FreeBlockQueue:
 
     @staticmethod
     def _as_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+        steps = list(map(sub, blocks[1:], blocks))
+        if -1 not in steps:  # no descending pair: runs end where a step is not +1 (C passes)
+            ends = [*itertools.compress(range(1, len(blocks)), map(ne, steps, itertools.repeat(1))),
+                    len(blocks)]
+            return [(blocks[a], b - a, 1) for a, b in zip([0, *ends[:-1]], ends)] if blocks else []
         runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(blocks):

@@ -89,3 +89,10 @@ def test_the_synthetic_ring_cuts_as_the_per_run_walk_does() -> None:
         assert len(set(got)) == n
         held.append(got)
     assert np.array_equal(fast.ids, slow.ids)
+
+
+def test_runs_of_ascending_lists_split_where_a_step_is_not_one() -> None:
+    assert FreeBlockQueue._as_runs([4, 5, 6, 9, 20, 21, 3]) == [(4, 3, 1), (9, 1, 1), (20, 2, 1),
+                                                                (3, 1, 1)]
+    assert FreeBlockQueue._as_runs([7]) == [(7, 1, 1)] and FreeBlockQueue._as_runs([]) == []
+    assert FreeBlockQueue._as_runs([5, 4, 3, 8]) == [(5, 3, -1), (8, 1, 1)]  # descending: walked
