@@ -518,6 +518,7 @@ class PrefillInstance(Instance):
         self.loading = 0  # admitted, waiting for a reuse read
         self.progress: dict[str, int] = {}  # request id -> prompt tokens in the cache so far
         self.blocks: dict[str, tuple[int, ...]] = {}  # request id -> its prompt's blocks
+        self.hash_lists: dict[str, list[int]] = {}  # request id -> its block hashes, as ints
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
         sim.env.process(self.loop())
 
@@ -545,12 +546,22 @@ class PrefillInstance(Instance):
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return []
         limit = max(r.prompt - 1, 0) // self.layout.block_size
-        return self.pool.hits(r.hashes.tolist(), limit)
+        return self.pool.hits(self._hash_list(r), limit)
+
+    def _hash_list(self, r: SimRequest) -> list[int]:
+        """The prompt's block hashes as Python ints, made once per request while it is here
+        (a request waiting for blocks asks at every wake)."""
+        got = self.hash_lists.get(r.id)
+        if got is None:
+            assert r.hashes is not None
+            got = self.hash_lists[r.id] = r.hashes.tolist()
+        return got
 
     def remember(self, r: SimRequest) -> None:
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return
-        self.pool.cache(r.hashes.tolist(), self.blocks.get(r.id, ()))
+        self.pool.cache(self._hash_list(r), self.blocks.get(r.id, ()))
+        self.hash_lists.pop(r.id, None)
 
     def admit(self) -> None:
         """Waiting requests, in order, while a sequence slot and their blocks are free."""
@@ -564,14 +575,17 @@ class PrefillInstance(Instance):
             # stood in for by a fresh one: the compute is still saved, only its id differs.
             free_hit = self.pool.free_of(hit)
             need = -(-r.prompt // bs) - len(free_hit)
-            if self.pool.free_after_touch(free_hit) < need:
+            if self.pool.free - len(free_hit) < need:  # what is free once they are taken
                 return  # freed blocks (a finished transfer) wake the loop again
             self.pool.touch(free_hit)
             new = self.pool.take(need)
             assert new is not None
-            fresh = iter(new)
-            owned = set(free_hit)
-            blocks = (*[b if b in owned else next(fresh) for b in hit], *fresh)
+            if len(free_hit) == len(hit):  # no stand-ins
+                blocks = (*hit, *new)
+            else:
+                fresh = iter(new)
+                owned = set(free_hit)
+                blocks = (*[b if b in owned else next(fresh) for b in hit], *fresh)
             self.blocks[r.id] = blocks
             self.queue.popleft()
             r.prefill_start = env.now
