@@ -433,16 +433,18 @@ class BlockPool:
         if not self.prefix_caching:
             return
         block_of, hash_of = self.block_of, self.hash_of
-        pairs = list(zip(hashes, blocks, strict=False))
+        m = min(len(hashes), len(blocks))
+        hashes, blocks = hashes[:m], blocks[:m]
         # pairs whose hash is not cached yet and whose block has no hash: C-level passes
         known = map(or_, map(block_of.__contains__, hashes), map(hash_of.__contains__, blocks))
-        new = list(itertools.compress(pairs, map(not_, known)))
-        hs, bs = [h for h, _ in new], [b for _, b in new]
+        mask = list(map(not_, known))
+        hs = list(itertools.compress(hashes, mask))
+        bs = list(itertools.compress(blocks, mask))
         if len(set(hs)) == len(hs) and len(set(bs)) == len(bs):  # distinct: all go in at once
-            block_of.update(new)
+            block_of.update(zip(hs, bs))
             hash_of.update(zip(bs, hs))
             return
-        for h, b in new:
+        for h, b in zip(hs, bs):
             if h not in block_of and b not in hash_of:
                 block_of[h] = b
                 hash_of[b] = h
