@@ -217,10 +217,12 @@ class FreeBlockQueue:
     @staticmethod
     def _as_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
         steps = list(map(sub, blocks[1:], blocks))
-        if -1 not in steps:  # no descending pair: runs end where a step is not +1 (C passes)
-            ends = [*itertools.compress(range(1, len(blocks)), map(ne, steps, itertools.repeat(1))),
-                    len(blocks)]
-            return [(blocks[a], b - a, 1) for a, b in zip([0, *ends[:-1]], ends)] if blocks else []
+        for step in (1, -1):
+            if -step not in steps:  # one direction only: runs end where a step is not `step`
+                ends = [*itertools.compress(range(1, len(blocks)),
+                                            map(ne, steps, itertools.repeat(step))), len(blocks)]
+                return [(blocks[a], b - a, step if b - a > 1 else 1)
+                        for a, b in zip([0, *ends[:-1]], ends)] if blocks else []
         runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(blocks):

@@ -95,4 +95,5 @@ def test_runs_of_ascending_lists_split_where_a_step_is_not_one() -> None:
     assert FreeBlockQueue._as_runs([4, 5, 6, 9, 20, 21, 3]) == [(4, 3, 1), (9, 1, 1), (20, 2, 1),
                                                                 (3, 1, 1)]
     assert FreeBlockQueue._as_runs([7]) == [(7, 1, 1)] and FreeBlockQueue._as_runs([]) == []
-    assert FreeBlockQueue._as_runs([5, 4, 3, 8]) == [(5, 3, -1), (8, 1, 1)]  # descending: walked
+    assert FreeBlockQueue._as_runs([5, 4, 3, 8]) == [(5, 3, -1), (8, 1, 1)]
+    assert FreeBlockQueue._as_runs([5, 4, 6, 7]) == [(5, 2, -1), (6, 2, 1)]  # both: walked
