@@ -29,7 +29,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from operator import ne, not_, or_, sub
+from operator import is_not, ne, not_, or_, sub
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -369,10 +369,9 @@ class BlockPool:
         ref, hash_of = self.ref, self.hash_of
         ref.update(dict.fromkeys(out, 1))
         if hash_of:  # taking a cached block from the head evicts its hash
-            for b in out:
-                h = hash_of.pop(b, None)
-                if h is not None:
-                    del self.block_of[h]
+            gone = list(map(hash_of.pop, out, itertools.repeat(None)))
+            deque(map(self.block_of.pop, itertools.compress(
+                gone, map(is_not, gone, itertools.repeat(None)))), maxlen=0)
         return tuple(out)
 
     def give(self, blocks: tuple[int, ...]) -> None:
@@ -586,6 +585,8 @@ class PrefillInstance(Instance):
             assert new is not None
             if len(free_hit) == len(hit):  # no stand-ins
                 blocks = (*hit, *new)
+            elif not free_hit:  # every hit stood in for: all fresh
+                blocks = new
             else:
                 fresh = iter(new)
                 owned = set(free_hit)
