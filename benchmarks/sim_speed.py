@@ -121,7 +121,7 @@ def points(minutes: float) -> list[Point]:
     return [p for p in pp.points() if p.qps == 8 and p.input_len == 16384]
 
 
-def compare(ref: str, minutes: float, repeat: int) -> None:
+def compare(ref: str, minutes: float, repeat: int, modes: list[str]) -> None:
     """This tree against `ref`, each measurement in its own process, alternating."""
     print(f"this tree against {ref}: push/pull 1P1D, 8 QPS, 16k in, {int(480 * minutes)} "
           f"requests; best of {repeat} (CPU s), each in a fresh process, alternating")
@@ -129,7 +129,7 @@ def compare(ref: str, minutes: float, repeat: int) -> None:
           f"{'x real (CPU)':>12} {'done/sim s':>10} {'events':>7} {'speed-up':>8}")
     with tempfile.TemporaryDirectory(prefix="kvplane-base-") as tmp:
         base = export(ref, Path(tmp))
-        for mode in ("push", "pull"):
+        for mode in modes:
             best: dict[tuple[str, bool], dict[str, Any]] = {}
             for _ in range(repeat):
                 for record in (False, True):
@@ -158,15 +158,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top five functions")
     ap.add_argument("--baseline", metavar="REF", help="also run git commit REF's code; ratios")
     ap.add_argument("--repeat", type=int, default=1, help="with --baseline: best of N")
+    ap.add_argument("--modes", default="push,pull", help="with --baseline: which points")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single measurement
     args = ap.parse_args()
     if args.one:
         one(args.one)
         return
     if args.baseline:
-        compare(args.baseline, args.minutes, args.repeat)
+        compare(args.baseline, args.minutes, args.repeat, args.modes.split(","))
         if args.profile:
             for p in points(args.minutes):
+                if p.mode not in args.modes.split(","):
+                    continue
                 print(f"  {p.mode}: top five by own time (this tree, recording off)")
                 print(top_five(p))
         return
