@@ -11,7 +11,9 @@ Rules kept here:
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 
 from .events import BlocksFreed, BlocksReserved
 
@@ -22,7 +24,8 @@ class Ledger:
     `attempt_of`) is built the first time it is asked for and kept from then on. A machine
     that never asks (the simulator's, the live connector's) pays per list, not per block."""
 
-    held: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # request -> the block lists it reserved, in order, each with its attempt (a growing
+    # request adds one list per reservation: appended, never concatenated)
     chunks: dict[str, list[tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
     _owner: dict[int, str] | None = None
     _attempt_of: dict[int, int] | None = None
@@ -40,6 +43,17 @@ class Ledger:
                 owner.update(dict.fromkeys(blocks, req))
                 attempt_of.update(dict.fromkeys(blocks, attempt))
         self._owner, self._attempt_of = owner, attempt_of
+
+    @property
+    def held(self) -> dict[str, tuple[int, ...]]:
+        """Request -> every block it holds, in the order reserved (made anew at each call)."""
+        return {req: self._held(req) for req in self.chunks}
+
+    def _held(self, request: str) -> tuple[int, ...]:
+        chunks = self.chunks.get(request, ())
+        if len(chunks) == 1:
+            return chunks[0][1]
+        return tuple(chain.from_iterable(blocks for _, blocks in chunks))
 
     @property
     def owner(self) -> dict[int, str]:
@@ -90,41 +104,37 @@ class Ledger:
                 # bulk dict updates: a 16k-token request reserves ~1,000 blocks
                 self._owner.update(dict.fromkeys(ev.blocks, req))
                 self._attempt_of.update(dict.fromkeys(ev.blocks, ev.attempt))
-            self.held[req] = self.held.get(req, ()) + ev.blocks
-            chunks = self.chunks.setdefault(req, [])
-            if chunks and chunks[-1][0] == ev.attempt:
-                chunks[-1] = (ev.attempt, chunks[-1][1] + ev.blocks)
-            else:
-                chunks.append((ev.attempt, ev.blocks))
+            self.chunks.setdefault(req, []).append((ev.attempt, ev.blocks))
             return
-        held = self.held.get(req, ())
+        held = self._held(req)
         if ev.blocks == held and len(set(held)) == len(held):
             # the usual case: the request frees everything it holds, each block once
             freed: set[int] | tuple[int, ...] = held
-            self.held.pop(req, None)
             self.chunks.pop(req, None)
         else:
             # a block may be listed twice in a reserve (a check reports it): owned once
             mine = {b for _, blocks in self.chunks.get(req, ()) for b in blocks}
             freed = {b for b in ev.blocks if b in mine}
-            rest = tuple(b for b in held if b not in freed)
-            if rest:
-                self.held[req] = rest
-                chunks = [(a, tuple(b for b in bl if b not in freed))
-                          for a, bl in self.chunks.get(req, ())]
-                self.chunks[req] = [(a, bl) for a, bl in chunks if bl]
+            chunks = [(a, tuple(b for b in bl if b not in freed))
+                      for a, bl in self.chunks.get(req, ())]
+            chunks = [(a, bl) for a, bl in chunks if bl]
+            if chunks:
+                self.chunks[req] = chunks
             else:
-                self.held.pop(req, None)
                 self.chunks.pop(req, None)
         if self._owner is not None and self._attempt_of is not None:
             owner, attempt_of = self._owner, self._attempt_of
+            if list(map(owner.get, freed)).count(req) == len(freed):  # all still its own
+                deque(map(owner.pop, freed), maxlen=0)
+                deque(map(attempt_of.pop, freed, repeat(None)), maxlen=0)
+                return
             for b in freed:
                 if owner.get(b) == req:
                     del owner[b]
                     attempt_of.pop(b, None)
 
     def blocks_of(self, request: str) -> tuple[int, ...]:
-        return self.held.get(request, ())
+        return self._held(request)
 
     def owns(self, request: str, blocks: tuple[int, ...], attempt: int | None = None) -> bool:
         owner, attempt_of = self.owner, self.attempt_of
