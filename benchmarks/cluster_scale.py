@@ -11,6 +11,11 @@ the run after that many wall seconds and reports how far it got.
     .venv/bin/python benchmarks/cluster_scale.py                    # the hour, no recording
     .venv/bin/python benchmarks/cluster_scale.py --record --budget 600
     .venv/bin/python benchmarks/cluster_scale.py --minutes 5         # a shorter horizon
+    .venv/bin/python benchmarks/cluster_scale.py --minutes 2 --baseline main   # before/after
+
+With `--baseline REF` the same horizon is run first on git commit REF's code (exported to a
+temporary folder, in a child process), then on this tree, and the speed-up is printed: the
+before/after of a change measured in one run on one machine state.
 
 Goal: the hour in < 10 minutes on one core, with memory flat in simulated time.
 """
@@ -39,13 +44,46 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def compare(args: argparse.Namespace) -> None:
+    """This script on `args.baseline`'s code (a child process), then on this tree's."""
+    import re
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sim_speed import export
+
+    flags = ["--minutes", str(args.minutes), "--every", str(args.every)]
+    flags += ["--record"] if args.record else []
+    rates: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="kvplane-base-") as tmp:
+        base = export(args.baseline, Path(tmp))
+        for name, code in ((args.baseline, str(base)), ("this tree", None)):
+            env = dict(os.environ)
+            if code is not None:
+                env["PYTHONPATH"] = code
+            print(f"--- {name}", flush=True)
+            out = subprocess.run([sys.executable, __file__, *flags], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+            print(out, end="", flush=True)
+            got = re.search(r"([0-9.]+) simulated s per CPU-second", out)
+            rates[name] = float(got.group(1)) if got else float("nan")
+    base_rate, this_rate = rates[args.baseline], rates["this tree"]
+    print(f"simulated s per CPU-second: {args.baseline} {base_rate:.2f}, this tree "
+          f"{this_rate:.2f}: {this_rate / base_rate:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=60.0, help="simulated minutes of arrivals")
     ap.add_argument("--every", type=float, default=300.0, help="sample every N simulated s")
     ap.add_argument("--budget", type=float, default=0.0, help="stop after N wall seconds")
     ap.add_argument("--record", action="store_true", help="record every event into SQLite")
+    ap.add_argument("--baseline", metavar="REF", help="first run git commit REF's code; ratios")
     args = ap.parse_args()
+    if args.baseline:
+        compare(args)
+        return
 
     sc = load_scenario("cluster_32p32d")
     qps = 200.0

@@ -12,7 +12,13 @@ completed rate is printed too):
 CPU seconds are this process's, all threads (the recorder's writer included): on a shared,
 loaded machine they are the steadier measure; wall seconds are printed beside them.
 
+With `--baseline REF` (a git commit, e.g. `main`) the same points are also run on that
+commit's code (exported to a temporary folder and imported from there, in a child process per
+measurement, alternating with this tree's), and the table gains the ratio this/baseline: the
+before/after of a change, measured in one run on one machine state.
+
 Usage: python benchmarks/sim_speed.py [--minutes 10] [--requests 100000] [--profile]
+       [--baseline REF]
 Goals: at least 1,000x faster than real time for 1P1D; recording on costs < 20% over off.
 """
 
@@ -21,7 +27,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
+import subprocess
+import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -60,12 +71,108 @@ def top_five(point: Point) -> str:
     return "\n".join("    " + ln for ln in lines[start:start + 6])
 
 
+REPO = Path(__file__).resolve().parents[1]
+ROOMS = ("core", "store", "sim", "live", "dashboard", "scenarios")
+
+
+def export(ref: str, into: Path) -> Path:
+    """`ref`'s tree as an importable `kvplane` package under `into`; the folder for sys.path."""
+    archive = into / "src.tar"
+    with archive.open("wb") as out:
+        subprocess.run(["git", "-C", str(REPO), "archive", ref], stdout=out, check=True)
+    src = into / "src"
+    with tarfile.open(archive) as tar:
+        tar.extractall(src, filter="data")
+    pkg = into / "pkg" / "kvplane"
+    pkg.mkdir(parents=True)
+    for item in (src / "kvplane").iterdir():
+        (pkg / item.name).symlink_to(item)
+    for room in ROOMS:
+        if (src / room).is_dir():
+            (pkg / room).symlink_to(src / room)
+    return into / "pkg"
+
+
+def child(code: Path | None, minutes: float, mode: str, record: bool) -> dict[str, Any]:
+    """One measurement in a fresh process, importing `kvplane` from `code` (None: this tree)."""
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
+    cmd = [sys.executable, __file__, "--one", json.dumps([minutes, mode, record])]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def one(spec: str) -> None:
+    minutes, mode, record = json.loads(spec)
+    import kvplane
+    p = next(p for p in points(minutes) if p.mode == mode)
+    with tempfile.TemporaryDirectory(prefix="kvplane-speed-") as tmp:
+        cpu, wall, s, events = timed(p, record, tmp)
+    print(json.dumps({"cpu": cpu, "wall": wall, "sim_s": s["simulated_s"],
+                      "finished": s["finished"], "events": events,
+                      "code": str(Path(kvplane.__file__).parent)}))
+
+
+def points(minutes: float) -> list[Point]:
+    pp = load_scenario("seed_push_vs_pull")
+    n = int(8 * 60 * minutes)
+    pp = pp.model_copy(update={"requests": n, "warmup_requests": 0})
+    return [p for p in pp.points() if p.qps == 8 and p.input_len == 16384]
+
+
+def compare(ref: str, minutes: float, repeat: int, modes: list[str]) -> None:
+    """This tree against `ref`, each measurement in its own process, alternating."""
+    print(f"this tree against {ref}: push/pull 1P1D, 8 QPS, 16k in, {int(480 * minutes)} "
+          f"requests; best of {repeat} (CPU s), each in a fresh process, alternating")
+    print(f"  {'mode':<5} {'recording':<9} {'code':<8} {'sim s':>7} {'CPU s':>7} "
+          f"{'x real (CPU)':>12} {'done/sim s':>10} {'events':>7} {'speed-up':>8}")
+    with tempfile.TemporaryDirectory(prefix="kvplane-base-") as tmp:
+        base = export(ref, Path(tmp))
+        for mode in modes:
+            best: dict[tuple[str, bool], dict[str, Any]] = {}
+            for _ in range(repeat):
+                for record in (False, True):
+                    for name, code in (("baseline", base), ("this", None)):
+                        got = child(code, minutes, mode, record)
+                        key = (name, record)
+                        if key not in best or got["cpu"] < best[key]["cpu"]:
+                            best[key] = got
+            for record in (False, True):
+                for name in ("baseline", "this"):
+                    g = best[(name, record)]
+                    up = best[("baseline", record)]["cpu"] / g["cpu"]
+                    print(f"  {mode:<5} {'on' if record else 'off':<9} {name:<8} "
+                          f"{g['sim_s']:7.1f} {g['cpu']:7.2f} {g['sim_s'] / g['cpu']:12.0f} "
+                          f"{g['finished'] / g['sim_s']:10.2f} {g['events']:7d} {up:7.2f}x")
+            for name in ("baseline", "this"):
+                on, off = best[(name, True)]["cpu"], best[(name, False)]["cpu"]
+                print(f"  {mode:<5} {name}: recording on / off (CPU) {on / off:.2f} "
+                      f"(+{(on / off - 1) * 100:.0f}%)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--profile", action="store_true", help="print the top five functions")
+    ap.add_argument("--baseline", metavar="REF", help="also run git commit REF's code; ratios")
+    ap.add_argument("--repeat", type=int, default=1, help="with --baseline: best of N")
+    ap.add_argument("--modes", default="push,pull", help="with --baseline: which points")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single measurement
     args = ap.parse_args()
+    if args.one:
+        one(args.one)
+        return
+    if args.baseline:
+        compare(args.baseline, args.minutes, args.repeat, args.modes.split(","))
+        if args.profile:
+            for p in points(args.minutes):
+                if p.mode not in args.modes.split(","):
+                    continue
+                print(f"  {p.mode}: top five by own time (this tree, recording off)")
+                print(top_five(p))
+        return
 
     pp = load_scenario("seed_push_vs_pull")
     n = int(8 * 60 * args.minutes)

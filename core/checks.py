@@ -29,13 +29,26 @@ def finite(value: float, what: str, *, minimum: float | None = 0.0) -> str | Non
     return None
 
 
+# Tuples of block ids found fine lately, by id; each is kept alive here so that its id stays
+# its own. A block list travels from a command to its plan, events and ledger as one tuple
+# (immutable), so it is checked once, not at every hop. Bounded: cleared when full.
+_FINE: dict[int, tuple[int, ...]] = {}
+_FINE_MAX = 256
+
+
 def duplicates(blocks: Sequence[int]) -> str | None:
     """Why a block list is unusable (a repeated or negative id), or None when it is fine."""
+    if type(blocks) is tuple and _FINE.get(id(blocks)) is blocks:
+        return None
     if len(set(blocks)) != len(blocks):
         dup = sorted(b for b, n in Counter(blocks).items() if n > 1)
         return f"block ids {dup[:8]} appear more than once"
     if blocks and min(blocks) < 0:
         return f"negative block id {min(blocks)}"
+    if type(blocks) is tuple and len(blocks) > 8:
+        if len(_FINE) >= _FINE_MAX:
+            _FINE.clear()
+        _FINE[id(blocks)] = blocks
     return None
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Literal
 
 from .checks import duplicates, finite, ours, theirs
@@ -60,6 +61,13 @@ from .plan import (
 )
 
 LEASE_COMMANDS = (Grant, Heartbeat, BeginRead, EndRead, Release, LeaseTick)
+
+
+@lru_cache(maxsize=256)
+def _expected(layout: KVLayout, src_tp: int) -> frozenset[tuple[int, int]]:
+    """The notifications a push from a producer of `src_tp` ranks sends: one per stream."""
+    src = replace(layout, tp=src_tp)
+    return frozenset((s.src_rank, s.dst_rank) for s in fan_out(src, layout))
 
 
 # --- commands -----------------------------------------------------------------------------------
@@ -446,8 +454,7 @@ class DecodeCore(Machine[DecodeCommand]):
                 ev.num_tokens,
                 ev.deadline,
             )
-            src = replace(self.layout, tp=ev.src_tp)
-            e.expected = frozenset((s.src_rank, s.dst_rank) for s in fan_out(src, self.layout))
+            e.expected = _expected(self.layout, ev.src_tp)
         elif isinstance(ev, TransferPlanned):
             e = self._open(key, ev.at)
             e.phase, e.mode, e.num_tokens = "awaiting_kv", "pull", ev.num_tokens

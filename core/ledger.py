@@ -13,32 +13,82 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 
 from .events import BlocksFreed, BlocksReserved
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Ledger:
-    owner: dict[int, str] = field(default_factory=dict)
-    attempt_of: dict[int, int] = field(default_factory=dict)
-    held: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Blocks held per request, as the attempts' lists (`chunks`); the per-block index (`owner`,
+    `attempt_of`) is built the first time it is asked for and kept from then on. A machine
+    that never asks (the simulator's, the live connector's) pays per list, not per block."""
+
+    # request -> the block lists it reserved, in order, each with its attempt (a growing
+    # request adds one list per reservation: appended, never concatenated)
+    chunks: dict[str, list[tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
+    _owner: dict[int, str] | None = None
+    _attempt_of: dict[int, int] | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Ledger):
+            return NotImplemented
+        return self.chunks == other.chunks
+
+    def _index(self) -> None:
+        owner: dict[int, str] = {}
+        attempt_of: dict[int, int] = {}
+        for req, chunks in self.chunks.items():
+            for attempt, blocks in chunks:
+                owner.update(dict.fromkeys(blocks, req))
+                attempt_of.update(dict.fromkeys(blocks, attempt))
+        self._owner, self._attempt_of = owner, attempt_of
+
+    @property
+    def held(self) -> dict[str, tuple[int, ...]]:
+        """Request -> every block it holds, in the order reserved (made anew at each call)."""
+        return {req: self._held(req) for req in self.chunks}
+
+    def _held(self, request: str) -> tuple[int, ...]:
+        chunks = self.chunks.get(request, ())
+        if len(chunks) == 1:
+            return chunks[0][1]
+        return tuple(chain.from_iterable(blocks for _, blocks in chunks))
+
+    @property
+    def owner(self) -> dict[int, str]:
+        """Block -> the request that owns it (read only)."""
+        if self._owner is None:
+            self._index()
+        assert self._owner is not None
+        return self._owner
+
+    @property
+    def attempt_of(self) -> dict[int, int]:
+        """Block -> the attempt that owns it (read only)."""
+        if self._attempt_of is None:
+            self._index()
+        assert self._attempt_of is not None
+        return self._attempt_of
 
     def check_reserve(self, ev: BlocksReserved) -> list[str]:
-        taken = [b for b in ev.blocks if b in self.owner]
+        owner = self.owner
+        taken = [b for b in ev.blocks if b in owner]
         dup = len(set(ev.blocks)) != len(ev.blocks)
         out = []
         if taken:
-            owners = sorted({self.owner[b] for b in taken})
+            owners = sorted({owner[b] for b in taken})
             out.append(f"blocks {taken[:8]} reserved for {ev.request} still owned by {owners}")
         if dup:
             out.append(f"blocks {list(ev.blocks)[:8]} reserved for {ev.request} twice over")
         return out
 
     def check_free(self, ev: BlocksFreed) -> list[str]:
+        owner, attempt_of = self.owner, self.attempt_of
         bad = [
             b
             for b in ev.blocks
-            if self.owner.get(b) != ev.request or self.attempt_of.get(b) != ev.attempt
+            if owner.get(b) != ev.request or attempt_of.get(b) != ev.attempt
         ]
         if bad or len(set(ev.blocks)) != len(ev.blocks):
             who = f"{ev.request}#{ev.attempt}"
@@ -48,39 +98,47 @@ class Ledger:
 
     def apply(self, ev: BlocksReserved | BlocksFreed) -> None:
         assert ev.request is not None
+        req = ev.request
         if isinstance(ev, BlocksReserved):
-            # bulk dict updates: a 16k-token request reserves ~1,000 blocks
-            self.owner.update(dict.fromkeys(ev.blocks, ev.request))
-            self.attempt_of.update(dict.fromkeys(ev.blocks, ev.attempt))
-            self.held[ev.request] = self.held.get(ev.request, ()) + ev.blocks
+            if self._owner is not None and self._attempt_of is not None:
+                # bulk dict updates: a 16k-token request reserves ~1,000 blocks
+                self._owner.update(dict.fromkeys(ev.blocks, req))
+                self._attempt_of.update(dict.fromkeys(ev.blocks, ev.attempt))
+            self.chunks.setdefault(req, []).append((ev.attempt, ev.blocks))
+            return
+        held = self._held(req)
+        if ev.blocks == held and len(set(held)) == len(held):
+            # the usual case: the request frees everything it holds, each block once
+            freed: set[int] | tuple[int, ...] = held
+            self.chunks.pop(req, None)
         else:
-            owner, attempt_of, req = self.owner, self.attempt_of, ev.request
-            freed = set(ev.blocks)
-            n = len(ev.blocks)
-            if len(freed) == n and list(map(owner.get, ev.blocks)).count(req) == n:
-                # the usual case, distinct and all owned: C-level pops
-                deque(map(owner.pop, ev.blocks), maxlen=0)
-                deque(map(attempt_of.pop, ev.blocks), maxlen=0)
+            # a block may be listed twice in a reserve (a check reports it): owned once
+            mine = {b for _, blocks in self.chunks.get(req, ()) for b in blocks}
+            freed = {b for b in ev.blocks if b in mine}
+            chunks = [(a, tuple(b for b in bl if b not in freed))
+                      for a, bl in self.chunks.get(req, ())]
+            chunks = [(a, bl) for a, bl in chunks if bl]
+            if chunks:
+                self.chunks[req] = chunks
             else:
-                freed = {b for b in ev.blocks if owner.get(b) == req}
-                for b in freed:
+                self.chunks.pop(req, None)
+        if self._owner is not None and self._attempt_of is not None:
+            owner, attempt_of = self._owner, self._attempt_of
+            if list(map(owner.get, freed)).count(req) == len(freed):  # all still its own
+                deque(map(owner.pop, freed), maxlen=0)
+                deque(map(attempt_of.pop, freed, repeat(None)), maxlen=0)
+                return
+            for b in freed:
+                if owner.get(b) == req:
                     del owner[b]
                     attempt_of.pop(b, None)
-            held = self.held.get(req, ())
-            if len(freed) == len(held):
-                self.held.pop(req, None)
-                return
-            rest = tuple(b for b in held if b not in freed)
-            if rest:
-                self.held[ev.request] = rest
-            else:
-                self.held.pop(ev.request, None)
 
     def blocks_of(self, request: str) -> tuple[int, ...]:
-        return self.held.get(request, ())
+        return self._held(request)
 
     def owns(self, request: str, blocks: tuple[int, ...], attempt: int | None = None) -> bool:
+        owner, attempt_of = self.owner, self.attempt_of
         return all(
-            self.owner.get(b) == request and (attempt is None or self.attempt_of.get(b) == attempt)
+            owner.get(b) == request and (attempt is None or attempt_of.get(b) == attempt)
             for b in blocks
         )

@@ -26,7 +26,11 @@ Rules kept here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from itertools import compress, repeat
+from operator import add, ne, or_
 from typing import Any
 
 from .checks import duplicates, theirs
@@ -103,11 +107,24 @@ class Stream:
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
-    runs: tuple[Run, ...]
+    """A planned transfer. Its runs are counted when planned and listed only when asked for
+    (`runs`, for a transport that posts them): a fragmented 16k-token transfer has hundreds."""
+
+    run_count: int
     streams: tuple[Stream, ...]
     num_tokens: int
     descriptors: int
     bytes: int
+    src_blocks: tuple[int, ...] = field(default=(), repr=False)
+    src_block_size: int = 1
+    dst_blocks: tuple[int, ...] = field(default=(), repr=False)
+    dst_block_size: int = 1
+
+    @property
+    def runs(self) -> tuple[Run, ...]:
+        """Token runs contiguous on both sides, in order (made anew at each call)."""
+        return merge_runs(self.src_blocks, self.src_block_size, self.dst_blocks,
+                          self.dst_block_size, self.num_tokens)
 
     @property
     def expected(self) -> frozenset[tuple[int, int]]:
@@ -118,10 +135,9 @@ class TransferPlan:
         return sum(1 for s in self.streams if s.dst_rank == dst_rank)
 
 
-def merge_runs(
+def _check_blocks(
     src_blocks: tuple[int, ...], src_bs: int, dst_blocks: tuple[int, ...], dst_bs: int, n: int
-) -> tuple[Run, ...]:
-    """Token runs contiguous on both sides, for the first `n` tokens."""
+) -> None:
     if n < 0:
         raise PeerError(f"{n} tokens to move: a token count is never negative")
     theirs(duplicates(src_blocks))
@@ -130,6 +146,31 @@ def merge_runs(
         raise PeerError(f"source offers {len(src_blocks)} blocks of {src_bs}, {n} tokens needed")
     if len(dst_blocks) * dst_bs < n:
         raise PeerError(f"destination offers {len(dst_blocks)} blocks of {dst_bs}, {n} needed")
+
+
+def _breaks(src: tuple[int, ...], dst: tuple[int, ...]) -> Iterator[bool]:
+    """For each block after the first: whether a run breaks before it (its id is not its
+    predecessor's plus one, on either side). Iterators in C: no Python work per block."""
+    return map(or_, map(ne, src[1:], map(add, src, repeat(1))),
+               map(ne, dst[1:], map(add, dst, repeat(1))))
+
+
+def count_runs(
+    src_blocks: tuple[int, ...], src_bs: int, dst_blocks: tuple[int, ...], dst_bs: int, n: int
+) -> int:
+    """How many runs `merge_runs` gives, without making them."""
+    if src_bs != dst_bs:
+        return len(merge_runs(src_blocks, src_bs, dst_blocks, dst_bs, n))
+    _check_blocks(src_blocks, src_bs, dst_blocks, dst_bs, n)
+    nb = -(-n // src_bs)
+    return 0 if nb == 0 else 1 + sum(_breaks(src_blocks[:nb], dst_blocks[:nb]))
+
+
+def merge_runs(
+    src_blocks: tuple[int, ...], src_bs: int, dst_blocks: tuple[int, ...], dst_bs: int, n: int
+) -> tuple[Run, ...]:
+    """Token runs contiguous on both sides, for the first `n` tokens."""
+    _check_blocks(src_blocks, src_bs, dst_blocks, dst_bs, n)
     if src_bs == dst_bs:
         return _merge_equal(src_blocks, dst_blocks, src_bs, n)
     runs: list[Run] = []
@@ -160,11 +201,7 @@ def _merge_equal(
     if nb == 0:
         return ()
     src, dst = src_blocks[:nb], dst_blocks[:nb]
-    breaks = [
-        i
-        for i, (s0, s1, d0, d1) in enumerate(zip(src, src[1:], dst, dst[1:]), start=1)
-        if s1 != s0 + 1 or d1 != d0 + 1
-    ]
+    breaks = list(compress(range(1, nb), _breaks(src, dst)))
     starts = [0, *breaks]
     ends = [*breaks, nb]
     runs = [Run(src[a] * bs, dst[a] * bs, (b - a) * bs) for a, b in zip(starts, ends)]
@@ -174,8 +211,10 @@ def _merge_equal(
     return tuple(runs)
 
 
+@lru_cache(maxsize=256)
 def fan_out(src: KVLayout, dst: KVLayout) -> tuple[Stream, ...]:
-    """Which producer rank writes how many heads to which consumer rank."""
+    """Which producer rank writes how many heads to which consumer rank (a function of the two
+    layouts alone, so computed once per pair; a bad pair's `PeerError` is raised each time)."""
     if src.num_kv_heads != dst.num_kv_heads:
         raise PeerError(
             f"KV heads differ: producer {src.num_kv_heads}, consumer {dst.num_kv_heads}"
@@ -211,15 +250,16 @@ def plan_transfer(
     if (src.num_layers, src.head_bytes, src.planes) != (dst.num_layers, dst.head_bytes,
                                                         dst.planes):
         raise PeerError("producer and consumer disagree on the model's layers or head size")
-    runs = merge_runs(src_blocks, src.block_size, dst_blocks, dst.block_size, num_tokens)
+    runs = count_runs(src_blocks, src.block_size, dst_blocks, dst.block_size, num_tokens)
     streams = fan_out(src, dst)
     per_head = src.tp != dst.tp
     descriptors = sum(
-        len(runs) * src.num_layers * src.planes * (s.heads if per_head else 1) for s in streams
+        runs * src.num_layers * src.planes * (s.heads if per_head else 1) for s in streams
     )
     nbytes = sum(num_tokens * src.num_layers * src.planes * s.heads * src.head_bytes
                  for s in streams)
-    return TransferPlan(runs, streams, num_tokens, descriptors, nbytes)
+    return TransferPlan(runs, streams, num_tokens, descriptors, nbytes, src_blocks,
+                        src.block_size, dst_blocks, dst.block_size)
 
 
 def planned_event(
@@ -231,7 +271,7 @@ def planned_event(
     return TransferPlanned(
         at=at, instance=instance, request=request, attempt=attempt, direction=direction,
         src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
-        num_tokens=plan.num_tokens, runs=len(plan.runs), descriptors=plan.descriptors,
+        num_tokens=plan.num_tokens, runs=plan.run_count, descriptors=plan.descriptors,
         bytes=plan.bytes, expected_notifications=len(plan.streams),
     )
 

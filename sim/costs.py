@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from kvplane.core.plan import KVLayout
 from kvplane.core.transfer_method import Method, MethodCosts, choose, staged_time
 
@@ -394,6 +396,22 @@ class ComputeCost:
             sampled=batch_size,
         )
 
+    def decode_step_times(self, batch_size: int, context_tokens: int, steps: int) -> list[float]:
+        """`steps` consecutive decode steps of an unchanging batch, whose context grows by
+        `batch_size` a step: `decode_step_time` of each, bit for bit (the same operations in
+        the same order, on an array), without a Python call per step."""
+        if self.attend_cap is not None or steps < 4 or batch_size <= 0:
+            return [self.decode_step_time(batch_size, context_tokens + batch_size * i)
+                    for i in range(steps)]
+        ctx = (context_tokens + batch_size * np.arange(steps, dtype=np.int64)).astype(np.float64)
+        compute = (self.linear_flops_per_token * batch_size + self.attention_flops_per_pair * ctx
+                   + self.lm_head_flops * batch_size) / self.flops_per_second
+        memory = (self.weight_bytes_per_rank(batch_size)
+                  + ctx * self.kv_bytes_per_token_per_rank) / self.bytes_per_second
+        fixed = self.step_overhead + self.allreduce_time(batch_size)
+        out: list[float] = (fixed + np.maximum(compute, memory)).tolist()
+        return out
+
     def batch_step_time(
         self, prefills: Sequence[tuple[int, int]] = (), decode_contexts: Sequence[int] = ()
     ) -> float:
@@ -679,6 +697,9 @@ class SimCosts:
 
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         return self.decode.decode_step_time(batch, context_tokens)
+
+    def decode_step_times(self, batch: int, context_tokens: int, steps: int) -> list[float]:
+        return self.decode.decode_step_times(batch, context_tokens, steps)
 
     def _regions(self, descriptors: int) -> int:
         """The core plans K and V regions per layer; a model with another number of regions

@@ -29,6 +29,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import is_not, ne, not_, or_, sub
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -78,6 +79,7 @@ class Costs(Protocol):
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float: ...
     def prefill_batch_time(self, chunks: list[tuple[int, int]]) -> float: ...
     def decode_step_time(self, batch: int, context_tokens: int) -> float: ...
+    def decode_step_times(self, batch: int, context_tokens: int, steps: int) -> list[float]: ...
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float: ...
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float: ...
     def handshake_time(self) -> float: ...
@@ -188,7 +190,11 @@ class FreeBlockQueue:
     def __init__(self, n: int) -> None:
         self.runs: deque[tuple[int, int, int]] = deque([(0, n, 1)] if n else [])
         self.in_runs = n
-        self.lru: dict[int, None] = {}  # hashed free blocks, least recently freed first
+        # hashed free blocks, least recently freed first. An OrderedDict, not a dict: blocks
+        # leave from the front, and a plain dict keeps the holes they leave until it resizes,
+        # so that finding its first key walks over them (in a full prefix cache, a few hundred
+        # thousand: 5x slower per request, and slower the longer the run)
+        self.lru: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         return self.in_runs + len(self.lru)
@@ -208,13 +214,19 @@ class FreeBlockQueue:
             self.in_runs -= k
         if len(out) < n:
             taken = list(itertools.islice(self.lru, n - len(out)))
-            for b in taken:
-                del self.lru[b]
+            deque(map(self.lru.__delitem__, taken), maxlen=0)
             out.extend(taken)
         return out
 
     @staticmethod
     def _as_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+        steps = list(map(sub, blocks[1:], blocks))
+        for step in (1, -1):
+            if -step not in steps:  # one direction only: runs end where a step is not `step`
+                ends = [*itertools.compress(range(1, len(blocks)),
+                                            map(ne, steps, itertools.repeat(step))), len(blocks)]
+                return [(blocks[a], b - a, step if b - a > 1 else 1)
+                        for a, b in zip([0, *ends[:-1]], ends)] if blocks else []
         runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(blocks):
@@ -242,6 +254,77 @@ class FreeBlockQueue:
         del self.lru[block]
 
 
+class SyntheticQueue:
+    """The free queue of a pool with a synthetic history (`run_blocks`): a ring of block ids.
+
+    A take of `n` blocks cuts them into runs of the drawn geometric lengths, leaving one free
+    block between consecutive runs (moved to the back of the queue, as if a request that is not
+    in the run held it and freed it since); freed blocks go to the back in order. Equal, id for
+    id, to the per-run walk over `FreeBlockQueue` it replaces (`take_slow`, kept for the rare
+    take that would reach its own skipped blocks), at the cost of a few numpy operations.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.ids = np.arange(n, dtype=np.int64)
+        self.head = 0
+        self.count = n
+
+    def _positions(self, start: int, m: int) -> np.ndarray:
+        return (self.head + start + np.arange(m)) % len(self.ids)
+
+    def append(self, blocks: tuple[int, ...] | list[int] | np.ndarray) -> None:
+        k = len(blocks)
+        if not k:
+            return
+        cap = len(self.ids)
+        at = (self.head + self.count) % cap
+        end = at + k
+        if end <= cap:
+            self.ids[at:end] = blocks
+        else:
+            arr = np.asarray(blocks, dtype=np.int64)
+            self.ids[at:] = arr[: cap - at]
+            self.ids[: end - cap] = arr[cap - at:]
+        self.count += k
+
+    def _pop(self, m: int) -> np.ndarray:
+        cap = len(self.ids)
+        end = self.head + m
+        out = self.ids[self.head:end].copy() if end <= cap else np.concatenate(
+            (self.ids[self.head:], self.ids[: end - cap]))
+        self.head = end % cap
+        self.count -= m
+        return out
+
+    def take(self, n: int, lengths: np.ndarray) -> tuple[int, ...]:
+        """`n` blocks (n <= count) in runs of `lengths` (n geometric draws, each >= 1)."""
+        if n == 0:
+            return ()
+        if self.count == n:  # nothing to skip: the whole queue, in order
+            return tuple(self._pop(n).tolist())
+        ends = np.cumsum(lengths)
+        k = int(np.searchsorted(ends, n)) + 1  # runs needed: the k-th reaches n
+        span = n + k - 1  # blocks walked from the head: the runs and a skip after each but last
+        if span > self.count:  # the walk would come round to its own skipped blocks
+            return self.take_slow(n, lengths)
+        walked = self._pop(span)
+        skips = ends[: k - 1] + np.arange(k - 1)  # offsets of the skipped blocks in the walk
+        keep = np.ones(span, dtype=bool)
+        keep[skips] = False
+        self.append(walked[skips])
+        return tuple(walked[keep].tolist())
+
+    def take_slow(self, n: int, lengths: np.ndarray) -> tuple[int, ...]:
+        out: list[int] = []
+        for length in lengths.tolist():
+            out += self._pop(min(length, n - len(out))).tolist()
+            if len(out) >= n:
+                break
+            if self.count > n - len(out):
+                self.append(self._pop(1))
+        return tuple(out)
+
+
 class BlockPool:
     """Block ids of one instance, handed out and taken back the way vLLM 0.32's BlockPool does.
 
@@ -263,7 +346,8 @@ class BlockPool:
         if reuse not in ("lifo", "fifo"):
             raise ValueError(f"block reuse must be 'lifo' or 'fifo', not {reuse!r}")
         self.reuse = reuse
-        self.queue = FreeBlockQueue(n)
+        synthetic = run_blocks is not None and not prefix_caching
+        self.queue = FreeBlockQueue(0 if synthetic else n)
         self.capacity = n
         self.run_blocks = run_blocks
         self.rng = np.random.default_rng(seed)
@@ -272,47 +356,49 @@ class BlockPool:
         self.block_of: dict[int, int] = {}  # prefix hash -> cached block
         self.hash_of: dict[int, int] = {}  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
+        # the synthetic history's queue: only runs, appended at the back (no hashes, no
+        # sharing), kept in a numpy ring so that a take or a give is a few array operations
+        self.ring = SyntheticQueue(n) if synthetic else None
 
     @property
     def free(self) -> int:
-        return len(self.queue)
+        return len(self.queue) if self.ring is None else self.ring.count
 
     def take(self, n: int) -> tuple[int, ...] | None:
         if n > self.free:
             return None
-        if self.run_blocks is None:
-            out = self.queue.popleft_n(n)
-        else:  # synthetic history: a free block skipped between geometric runs
-            out = []
-            for length in self.rng.geometric(1.0 / self.run_blocks, size=n).tolist():
-                out += self.queue.popleft_n(min(length, n - len(out)))
-                if len(out) >= n:
-                    break
-                if self.free > n - len(out):
-                    self.queue.append_unhashed(self.queue.popleft_n(1))
-        for b in out:
-            self.ref[b] = 1
-            h = self.hash_of.pop(b, None)
-            if h is not None:
-                del self.block_of[h]
+        if self.ring is not None:
+            return self.ring.take(n, self.rng.geometric(1.0 / self.run_blocks, size=n))
+        out = self.queue.popleft_n(n)
+        ref, hash_of = self.ref, self.hash_of
+        ref.update(dict.fromkeys(out, 1))
+        if hash_of:  # taking a cached block from the head evicts its hash
+            gone = list(map(hash_of.pop, out, itertools.repeat(None)))
+            deque(map(self.block_of.pop, itertools.compress(
+                gone, map(is_not, gone, itertools.repeat(None)))), maxlen=0)
         return tuple(out)
 
     def give(self, blocks: tuple[int, ...]) -> None:
         """Free a request's blocks, tail first."""
-        if self.run_blocks is not None:  # synthetic history: back of the queue, in order
-            for b in blocks:
-                self.ref.pop(b, None)
-            self.queue.append_unhashed(list(blocks))
+        if self.ring is not None:  # synthetic history: back of the queue, in order
+            self.ring.append(blocks)
             return
-        front: list[int] = []
-        back: list[int] = []
-        for b in reversed(blocks):
-            left = self.ref.get(b, 1) - 1
-            if left > 0:
-                self.ref[b] = left
-                continue
-            self.ref.pop(b, None)
-            (back if b in self.hash_of else front).append(b)
+        ref, hash_of = self.ref, self.hash_of
+        rev = blocks[::-1]
+        if list(map(ref.get, rev, itertools.repeat(1))).count(1) == len(rev):
+            # the usual case: every block's last holder frees it (C-level passes)
+            deque(map(ref.pop, rev, itertools.repeat(None)), maxlen=0)
+            front = list(itertools.filterfalse(hash_of.__contains__, rev))
+            back = list(filter(hash_of.__contains__, rev)) if hash_of else []
+        else:
+            front, back = [], []
+            for b in rev:
+                left = ref.get(b, 1) - 1
+                if left > 0:
+                    ref[b] = left
+                    continue
+                ref.pop(b, None)
+                (back if b in hash_of else front).append(b)
         if self.reuse == "lifo":
             self.queue.prepend_n(front)
         else:  # earlier vLLM V1 releases: every freed block to the back
@@ -321,32 +407,52 @@ class BlockPool:
 
     def hits(self, hashes: list[int], limit: int) -> list[int]:
         """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks)."""
-        out = []
-        for h in hashes[:limit]:
-            b = self.block_of.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        out = list(map(self.block_of.get, hashes[:limit]))
+        if None in out:
+            del out[out.index(None):]
+        return out  # type: ignore[return-value]  # the Nones are cut off
+
+    def free_of(self, blocks: list[int]) -> list[int]:
+        """Those of `blocks` (cache hits) that no request holds: they wait in the free queue."""
+        return list(filter(self.queue.lru.__contains__, blocks))
 
     def free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left once `blocks` (cache hits) are taken out of the queue."""
-        return self.free - sum(1 for b in blocks if b in self.queue)
+        return self.free - len(self.free_of(blocks))
 
     def touch(self, blocks: list[int]) -> None:
+        lru, ref = self.queue.lru, self.ref
+        free = self.free_of(blocks)
+        if len(free) == len(blocks) and len(set(blocks)) == len(blocks):
+            # the usual case, distinct free blocks (no holder): out of the queue, one holder
+            deque(map(lru.pop, blocks), maxlen=0)
+            ref.update(dict.fromkeys(blocks, 1))
+            return
         for b in blocks:
-            if b in self.queue:
-                self.queue.remove(b)
-            self.ref[b] = self.ref.get(b, 0) + 1
+            if b in lru:
+                del lru[b]
+            ref[b] = ref.get(b, 0) + 1
 
     def cache(self, hashes: list[int], blocks: tuple[int, ...]) -> None:
         """Register the full blocks of a computed prompt in the prefix cache."""
         if not self.prefix_caching:
             return
-        for h, b in zip(hashes, blocks, strict=False):
-            if h not in self.block_of and b not in self.hash_of:
-                self.block_of[h] = b
-                self.hash_of[b] = h
+        block_of, hash_of = self.block_of, self.hash_of
+        m = min(len(hashes), len(blocks))
+        hashes, blocks = hashes[:m], blocks[:m]
+        # pairs whose hash is not cached yet and whose block has no hash: C-level passes
+        known = map(or_, map(block_of.__contains__, hashes), map(hash_of.__contains__, blocks))
+        mask = list(map(not_, known))
+        hs = list(itertools.compress(hashes, mask))
+        bs = list(itertools.compress(blocks, mask))
+        if len(set(hs)) == len(hs) and len(set(bs)) == len(bs):  # distinct: all go in at once
+            block_of.update(zip(hs, bs))
+            hash_of.update(zip(bs, hs))
+            return
+        for h, b in zip(hs, bs):
+            if h not in block_of and b not in hash_of:
+                block_of[h] = b
+                hash_of[b] = h
 
 
 class Instance:
@@ -419,6 +525,7 @@ class PrefillInstance(Instance):
         self.loading = 0  # admitted, waiting for a reuse read
         self.progress: dict[str, int] = {}  # request id -> prompt tokens in the cache so far
         self.blocks: dict[str, tuple[int, ...]] = {}  # request id -> its prompt's blocks
+        self.hash_lists: dict[str, list[int]] = {}  # request id -> its block hashes, as ints
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
         sim.env.process(self.loop())
 
@@ -446,12 +553,22 @@ class PrefillInstance(Instance):
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return []
         limit = max(r.prompt - 1, 0) // self.layout.block_size
-        return self.pool.hits(r.hashes.tolist(), limit)
+        return self.pool.hits(self._hash_list(r), limit)
+
+    def _hash_list(self, r: SimRequest) -> list[int]:
+        """The prompt's block hashes as Python ints, made once per request while it is here
+        (a request waiting for blocks asks at every wake)."""
+        got = self.hash_lists.get(r.id)
+        if got is None:
+            assert r.hashes is not None
+            got = self.hash_lists[r.id] = r.hashes.tolist()
+        return got
 
     def remember(self, r: SimRequest) -> None:
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return
-        self.pool.cache(r.hashes.tolist(), self.blocks.get(r.id, ()))
+        self.pool.cache(self._hash_list(r), self.blocks.get(r.id, ()))
+        self.hash_lists.pop(r.id, None)
 
     def admit(self) -> None:
         """Waiting requests, in order, while a sequence slot and their blocks are free."""
@@ -463,16 +580,21 @@ class PrefillInstance(Instance):
             # A hit block another running request holds is shared in vLLM; the event log's
             # ledger (kvplane.core.replay) knows one owner per block, so such a block is
             # stood in for by a fresh one: the compute is still saved, only its id differs.
-            free_hit = [b for b in hit if b in self.pool.queue]
+            free_hit = self.pool.free_of(hit)
             need = -(-r.prompt // bs) - len(free_hit)
-            if self.pool.free_after_touch(free_hit) < need:
+            if self.pool.free - len(free_hit) < need:  # what is free once they are taken
                 return  # freed blocks (a finished transfer) wake the loop again
             self.pool.touch(free_hit)
             new = self.pool.take(need)
             assert new is not None
-            fresh = iter(new)
-            owned = set(free_hit)
-            blocks = (*[b if b in owned else next(fresh) for b in hit], *fresh)
+            if len(free_hit) == len(hit):  # no stand-ins
+                blocks = (*hit, *new)
+            elif not free_hit:  # every hit stood in for: all fresh
+                blocks = new
+            else:
+                fresh = iter(new)
+                owned = set(free_hit)
+                blocks = (*[b if b in owned else next(fresh) for b in hit], *fresh)
             self.blocks[r.id] = blocks
             self.queue.popleft()
             r.prefill_start = env.now
@@ -811,7 +933,7 @@ class DecodeInstance(Instance):
             batch = len(self.running)
             k = min(r.output - r.done_tokens for r in self.running)
             ctx = sum(r.prompt + r.done_tokens for r in self.running)
-            durations = [costs.decode_step_time(batch, ctx + batch * i) for i in range(k)]
+            durations = costs.decode_step_times(batch, ctx, k)
             start = env.now
             self._rearm()
             timer = env.timeout(stall + sum(durations))

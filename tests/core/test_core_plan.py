@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplane.core.errors import PeerError
-from kvplane.core.plan import KVLayout, Run, Stream, fan_out, merge_runs, plan_transfer
+from kvplane.core.plan import (
+    KVLayout,
+    Run,
+    Stream,
+    count_runs,
+    fan_out,
+    merge_runs,
+    plan_transfer,
+)
 
 
 def layout(bs: int = 16, tp: int = 1, heads: int = 8, layers: int = 4, hb: int = 256) -> KVLayout:
@@ -98,6 +106,8 @@ def test_runs_cover_every_token_exactly_once(
     for a, b in itertools.pairwise(runs):
         assert not (a.src_slot + a.tokens == b.src_slot and a.dst_slot + a.tokens == b.dst_slot)
     assert all(r.tokens > 0 for r in runs)
+    # the count a plan records without making the runs is their number
+    assert count_runs(src, src_bs, dst, dst_bs, n) == len(runs)
 
 
 # --- fan-out over tensor parallelism --------------------------------------------------------------

@@ -61,3 +61,39 @@ def test_the_queue_keeps_runs_and_counts() -> None:
     assert q.popleft_n(5) == [9, 8, 7, 20, 2]
     with pytest.raises(ValueError):
         BlockPool(4, None, 0, reuse="random")
+
+
+def test_the_synthetic_ring_cuts_as_the_per_run_walk_does() -> None:
+    """The array take equals the run-by-run walk, id for id, including nearly full pools."""
+    import copy
+
+    import numpy as np
+
+    from kvplane.sim.engine import SyntheticQueue
+
+    rng = np.random.default_rng(7)
+    fast, slow = SyntheticQueue(300), SyntheticQueue(300)
+    held: list[tuple[int, ...]] = []
+    for _ in range(400):
+        if held and (fast.count < 40 or rng.random() < 0.45):
+            blocks = held.pop(int(rng.integers(len(held))))
+            fast.append(blocks)
+            slow.append(blocks)
+            continue
+        n = int(rng.integers(0, min(fast.count, 60) + 1))
+        lengths = rng.geometric(1 / 3.0, size=n)
+        before = copy.deepcopy(slow)
+        got = fast.take(n, lengths)
+        assert got == slow.take_slow(n, lengths), (n, before.head, before.count)
+        assert (fast.head, fast.count) == (slow.head, slow.count)
+        assert len(set(got)) == n
+        held.append(got)
+    assert np.array_equal(fast.ids, slow.ids)
+
+
+def test_runs_of_ascending_lists_split_where_a_step_is_not_one() -> None:
+    assert FreeBlockQueue._as_runs([4, 5, 6, 9, 20, 21, 3]) == [(4, 3, 1), (9, 1, 1), (20, 2, 1),
+                                                                (3, 1, 1)]
+    assert FreeBlockQueue._as_runs([7]) == [(7, 1, 1)] and FreeBlockQueue._as_runs([]) == []
+    assert FreeBlockQueue._as_runs([5, 4, 3, 8]) == [(5, 3, -1), (8, 1, 1)]
+    assert FreeBlockQueue._as_runs([5, 4, 6, 7]) == [(5, 2, -1), (6, 2, 1)]  # both: walked

@@ -331,3 +331,15 @@ def test_expert_parallelism_turns_moe_all_reduces_into_all_to_alls() -> None:
     dense = model("qwen3-32b")
     assert ComputeCost(dense, hw, expert_parallel=True).allreduce_time(4096) == \
         ComputeCost(dense, hw).allreduce_time(4096)
+
+
+@pytest.mark.parametrize("name", ["qwen3-32b", "llama-3.1-405b", "deepseek-v3", "deepseek-v3.2-exp",
+                                  "tiny-test"])
+def test_a_macro_step_s_step_times_equal_one_call_per_step_bit_for_bit(name: str) -> None:
+    """The decode loop prices a macro-step's steps at once; each is the single-step price."""
+    hw = hardware("p5en-h200-tp8") if name != "tiny-test" else hardware()
+    for c in (ComputeCost(model(name), hw), ComputeCost(model(name), hw, calibration=calibration())):
+        for batch, ctx, steps in ((1, 16384, 128), (8, 131000, 50), (64, 250_000, 256),
+                                  (3, 7, 5), (2, 100, 2)):
+            want = [c.decode_step_time(batch, ctx + batch * i) for i in range(steps)]
+            assert c.decode_step_times(batch, ctx, steps) == want
