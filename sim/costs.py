@@ -680,6 +680,11 @@ class SimCosts:
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         return self.decode.decode_step_time(batch, context_tokens)
 
+    def mixed_step_time(self, chunks: list[tuple[int, int]], contexts: list[int]) -> float:
+        """One decode engine step computing prefill chunks, as (new, cached), besides the
+        decoding sequences of these contexts (a local prefill: failed load, preemption)."""
+        return self.decode.batch_step_time(prefills=chunks, decode_contexts=contexts)
+
     def _regions(self, descriptors: int) -> int:
         """The core plans K and V regions per layer; a model with another number of regions
         per layer (MLA: one latent; sparse attention: plus the indexer's) scales its count."""

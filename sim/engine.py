@@ -17,7 +17,10 @@ Rules kept here:
 - Decode runs in macro-steps: while its batch does not change it advances many steps in one
   SimPy timeout; a request joining or a stall arriving wakes it, and the batch changes at the
   next step boundary. The cost is per request, not per token, so runs are far faster than
-  real time.
+  real time. A macro-step ends before a step whose output blocks the pool cannot give; that
+  step starts with vLLM's preemption (`DecodeInstance.make_room`). A prompt decode computes
+  itself (a failed load, a preempted request) runs one step at a time, in chunks mixed with
+  the decodes under `max_num_batched_tokens`.
 - Timers (lease expiry, KV waits, heartbeats) are plain SimPy timeout callbacks, not
   processes, and each one re-checks the core's state when it fires.
 """
@@ -81,6 +84,7 @@ class Costs(Protocol):
     def prefill_time(self, new_tokens: int, cached_tokens: int) -> float: ...
     def prefill_batch_time(self, chunks: list[tuple[int, int]]) -> float: ...
     def decode_step_time(self, batch: int, context_tokens: int) -> float: ...
+    def mixed_step_time(self, chunks: list[tuple[int, int]], contexts: list[int]) -> float: ...
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float: ...
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float: ...
     def handshake_time(self) -> float: ...
@@ -165,7 +169,19 @@ class SimRequest:
     taken: RetainedHandle | None = None  # the conversation's handle this turn took
     attempt: int = 0  # decode's attempt: a failed load's local compute is the next one
     preemptions: int = 0  # times decode preempted it (vLLM's request_num_preemptions)
+    last_token: float = -1.0  # when decode's last step for it ended
     itl: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LocalPrefill:
+    """A prompt decode computes itself, in chunks: a failed load's, or a preempted request's
+    prompt and output so far."""
+
+    r: SimRequest
+    left: int  # tokens still to compute
+    done: int  # tokens in the cache so far
+    why: str
 
 
 @functools.lru_cache(maxsize=64)
@@ -602,8 +618,10 @@ class DecodeInstance(Instance):
         self.joining: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.pulls: deque[tuple[SimRequest, TransferPlanned]] = deque()
-        # (request, tokens to compute, tokens cached, why): computed locally in the loop
+        # (request, tokens to compute, tokens cached, why): computed locally in the loop, in
+        # chunks mixed with the decodes (`prefilling`)
         self.recomputes: deque[tuple[SimRequest, int, int, str]] = deque()
+        self.prefilling: list[LocalPrefill] = []
         self.retained: OrderedDict[str, None] = OrderedDict()  # leases, oldest first
         self.held: dict[str, int] = {}  # request id -> blocks it holds
         self.resuming: set[str] = set()  # waiting requests that were preempted
@@ -732,7 +750,14 @@ class DecodeInstance(Instance):
         the live connector, the rest of its life is the exchange's next attempt, computed
         here from its prompt and the tokens it generated so far."""
         env, bs = self.sim.env, self.layout.block_size
-        self.running.remove(r)
+        local = next((p for p in self.prefilling if p.r is r), None)
+        if local is not None:  # preempted during its local prefill: what it computed so far
+            self.prefilling.remove(local)
+            self.loading.discard(r.id)
+            computed = local.done
+        else:
+            self.running.remove(r)
+            computed = r.prompt + r.done_tokens
         self.preemptions += 1
         r.preemptions += 1
         self.preempted_in_step = True
@@ -740,7 +765,7 @@ class DecodeInstance(Instance):
                                       attempt=r.attempt))
         entry = self.core.entries.get((r.id, r.attempt))
         if entry is not None and self.pool.prefix_caching:
-            n = min((r.prompt + r.done_tokens) // bs, len(entry.blocks))
+            n = min(computed // bs, len(entry.blocks))
             self.pool.cache(self._chain(r, n), entry.blocks[:n])
         self.do(D.Finish(r.id, r.attempt))
         self.held.pop(r.id, None)
@@ -833,8 +858,8 @@ class DecodeInstance(Instance):
         self.sim.env.timeout(max(notice, 0.0)).callbacks.append(join)
 
     def fallback(self, r: SimRequest) -> None:
-        """The KV will not come: decode computes the prompt itself (a stall of its loop); the
-        request is still served, and the core's KVLoadFailed records why. As in the live
+        """The KV will not come: decode computes the prompt itself (in chunks mixed into its
+        steps, `_chunks`); the request is still served, and the core's KVLoadFailed records why. As in the live
         connector, the local compute is the exchange's next attempt (`next_attempt`): the
         failed attempt's books end and its blocks are taken again for the compute."""
         if self.core.phase(r.id, r.attempt) == "decoding":
@@ -897,14 +922,9 @@ class DecodeInstance(Instance):
                 env.process(self._after(prep, self.pull_read, r, plan))
             while self.recomputes:
                 r, new, cached, why = self.recomputes.popleft()
-                t = costs.prefill_time(new, cached)
-                stall += t
-                self.sim.rec(EngineStalled(at=env.now, instance=self.name, request=r.id,
-                                           seconds=t, cause=why))
-                self.loading.discard(r.id)
-                self.running.append(r)
+                self.prefilling.append(LocalPrefill(r, new, cached, why))
             self.make_room()
-            if not self.running:
+            if not self.running and not self.prefilling:
                 if stall:
                     yield env.timeout(stall)
                     continue
@@ -912,9 +932,22 @@ class DecodeInstance(Instance):
                 yield self.wake
                 continue
             batch = len(self.running)
-            k, crossings = self._fit(min(r.output - r.done_tokens for r in self.running))
             ctx = sum(r.prompt + r.done_tokens for r in self.running)
-            durations = [costs.decode_step_time(batch, ctx + batch * i) for i in range(k)]
+            chunks = self._chunks()
+            if chunks:  # one step mixing the decodes with local prefill chunks
+                k, crossings = self._fit(1)
+                durations = [costs.mixed_step_time([(n, p.done) for p, n in chunks],
+                                                   [r.prompt + r.done_tokens
+                                                    for r in self.running])]
+                extra = durations[0] - (costs.decode_step_time(batch, ctx) if batch else 0.0)
+                total = sum(n for _, n in chunks)
+                for p, n in chunks:  # what the chunk adds to the step the batch waits for
+                    self.sim.rec(EngineStalled(at=env.now, instance=self.name,
+                                               request=p.r.id, seconds=extra * n / total,
+                                               cause=p.why))
+            else:
+                k, crossings = self._fit(min(r.output - r.done_tokens for r in self.running))
+                durations = [costs.decode_step_time(batch, ctx + batch * i) for i in range(k)]
             start = env.now
             self.plan = (start + stall, list(itertools.accumulate(durations)), crossings)
             if self.preempted_in_step:
@@ -935,11 +968,51 @@ class DecodeInstance(Instance):
                 if start + stall + acc > env.now:
                     yield env.timeout(start + stall + acc - env.now)
             self._advance(steps, durations, stall, start)
+            self._advance_chunks(chunks)
 
     def _after(self, delay: float, fn: Callable[..., Iterator[Any]], *args: Any
                ) -> Iterator[Any]:
         yield self.sim.env.timeout(delay)
         yield from fn(*args)
+
+    def _chunks(self) -> list[tuple[LocalPrefill, int]]:
+        """This step's local prefill chunks: the decodes take one token each of the step's
+        budget (`max_num_batched_tokens`), the prefills what is left, oldest first."""
+        budget = self.sim.cfg.max_num_batched_tokens - len(self.running)
+        out = []
+        for p in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(p.left, budget)
+            out.append((p, n))
+            budget -= n
+        return out
+
+    def _advance_chunks(self, chunks: list[tuple[LocalPrefill, int]]) -> None:
+        """The step computed these chunks; a prefill it completed samples a token (the first,
+        or a preempted request's next) and the request joins the running batch."""
+        env, leg = self.sim.env, self.sim.costs.response_leg()
+        for p, n in chunks:
+            p.left -= n
+            p.done += n
+            if p.left > 0:
+                continue
+            self.prefilling.remove(p)
+            r = p.r
+            self.loading.discard(r.id)
+            if r.done_tokens == 0:
+                r.first_token = env.now + leg
+                self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
+                                               request=r.id, ttft=r.first_token - r.arrival))
+            else:  # the gap since its last token, preempted time included
+                r.itl.append((env.now - r.last_token, 1))
+            r.done_tokens += 1
+            r.last_token = env.now
+            if r.done_tokens >= r.output:
+                r.finish = env.now + leg
+                self.finish(r)
+            else:
+                self.running.append(r)
 
     def _crossings(self, r: SimRequest, steps: int) -> list[int]:
         """The steps (1-based, up to `steps`) at which `r` needs a new block."""
@@ -958,7 +1031,8 @@ class DecodeInstance(Instance):
         """vLLM's step, running requests first, in order: each gets the block its next token
         needs; when the pool has none (after evicting retained KV, oldest first), the last
         running request is preempted, until the block is there or the request itself was
-        the one preempted (vLLM's FCFS policy; prefix-cached free blocks count as free)."""
+        the one preempted (vLLM's FCFS policy; prefix-cached free blocks count as free).
+        Requests computing a local prefill joined the running list last: they go first."""
         pool, need, i = self.pool, 0, 0
         while i < len(self.running):
             r = self.running[i]
@@ -968,7 +1042,7 @@ class DecodeInstance(Instance):
                     lease, _ = self.retained.popitem(last=False)
                     self.do(Release(lease, "evicted under memory pressure"))
                     continue
-                victim = self.running[-1]
+                victim = self.prefilling[-1].r if self.prefilling else self.running[-1]
                 self.preempt(victim)
                 if victim is r:
                     break
@@ -1033,6 +1107,7 @@ class DecodeInstance(Instance):
                 r.itl.append((rest / (steps - 1), steps - 1))
             r.stall_s += stall
             r.done_tokens += steps
+            r.last_token = env.now
             if r.done_tokens >= r.output:
                 r.finish = env.now + leg
                 self.finish(r)

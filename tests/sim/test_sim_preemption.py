@@ -175,3 +175,35 @@ def test_the_run_summary_counts_preemptions_as_vllm_does() -> None:
     table = points_table([summary])
     assert "preempt" in table.splitlines()[0]
     assert table.splitlines()[2].split()[-1] == str(summary["preemptions"])
+
+
+def test_a_local_prefill_is_chunked_into_the_decode_steps_under_the_token_budget() -> None:
+    """vLLM schedules the running decodes first (one token each), then prefill chunks in the
+    rest of `max_num_batched_tokens`; each step is priced as one mixed step, and the step
+    that completes the prefill samples the request's first token."""
+    sim, costs, log = _sim(max_num_batched_tokens=42, decode_blocks=100)
+    d = sim.decodes["decode-0"]
+    bs = d.layout.block_size
+    a, b = _running_pair(sim, 2 * bs, 50)
+    c = SimRequest("c", 0.0, 100, 5, decode=d.name)
+    sim.requests[c.id] = c
+    blocks = d.pool.take(-(-100 // bs))
+    assert blocks is not None
+    d.held[c.id] = len(blocks)
+    d.do(D.Allocate(c.id, 0, blocks))
+    d.loading.add(c.id)
+    d.recomputes.append((c, 100, 0, "KV load failed: local prefill"))
+    sim.env.run(until=60)
+    assert all(r.done_tokens == r.output for r in (a, b, c))
+    # 42 - 2 decodes = 40 tokens per step: chunks of 40, 40 and 20
+    steps, t = [], 0.0
+    for i, (n, done) in enumerate([(40, 0), (40, 40), (20, 80)]):
+        ctxs = [2 * bs + i, 2 * bs + i]
+        mixed = costs.mixed_step_time([(n, done)], ctxs)
+        steps.append(mixed - costs.decode_step_time(2, sum(ctxs)))
+        t += mixed
+    stalls = [e for e in log if isinstance(e, EngineStalled) and e.request == "c"]
+    assert [e.seconds for e in stalls] == pytest.approx(steps)
+    assert c.first_token == pytest.approx(t + costs.response_leg())
+    assert a.first_token < c.first_token  # the decodes went on meanwhile
+    assert d.pool.free == d.pool.capacity
