@@ -859,9 +859,10 @@ class DecodeInstance(Instance):
 
     def fallback(self, r: SimRequest) -> None:
         """The KV will not come: decode computes the prompt itself (in chunks mixed into its
-        steps, `_chunks`); the request is still served, and the core's KVLoadFailed records why. As in the live
-        connector, the local compute is the exchange's next attempt (`next_attempt`): the
-        failed attempt's books end and its blocks are taken again for the compute."""
+        steps, `_chunks`); the request is still served, and the core's KVLoadFailed records
+        why. As in the live connector, the local compute is the exchange's next attempt
+        (`next_attempt`): the failed attempt's books end and its blocks are taken again for
+        the compute."""
         if self.core.phase(r.id, r.attempt) == "decoding":
             self.do(D.Finish(r.id, r.attempt))
         r.attempt = rules.next_attempt(r.attempt)
