@@ -701,6 +701,11 @@ class SimCosts:
     def decode_step_times(self, batch: int, context_tokens: int, steps: int) -> list[float]:
         return self.decode.decode_step_times(batch, context_tokens, steps)
 
+    def mixed_step_time(self, chunks: list[tuple[int, int]], contexts: list[int]) -> float:
+        """One decode engine step computing prefill chunks, as (new, cached), besides the
+        decoding sequences of these contexts (a local prefill: failed load, preemption)."""
+        return self.decode.batch_step_time(prefills=chunks, decode_contexts=contexts)
+
     def _regions(self, descriptors: int) -> int:
         """The core plans K and V regions per layer; a model with another number of regions
         per layer (MLA: one latent; sparse attention: plus the indexer's) scales its count."""

@@ -17,14 +17,19 @@ Rules kept here:
 - Decode runs in macro-steps: while its batch does not change it advances many steps in one
   SimPy timeout; a request joining or a stall arriving wakes it, and the batch changes at the
   next step boundary. The cost is per request, not per token, so runs are far faster than
-  real time.
+  real time. A macro-step ends before a step whose output blocks the pool cannot give; that
+  step starts with vLLM's preemption (`DecodeInstance.make_room`). A prompt decode computes
+  itself (a failed load, a preempted request) runs one step at a time, in chunks mixed with
+  the decodes under `max_num_batched_tokens`.
 - Timers (lease expiry, KV waits, heartbeats) are plain SimPy timeout callbacks, not
   processes, and each one re-checks the core's state when it fires.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+import hashlib
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -58,6 +63,7 @@ from kvplane.core.events import (
     RegistrationSent,
     RequestArrived,
     RequestFinished,
+    RequestPreempted,
     RequestRouted,
     ReuseDecided,
     SessionDropped,
@@ -80,6 +86,7 @@ class Costs(Protocol):
     def prefill_batch_time(self, chunks: list[tuple[int, int]]) -> float: ...
     def decode_step_time(self, batch: int, context_tokens: int) -> float: ...
     def decode_step_times(self, batch: int, context_tokens: int, steps: int) -> list[float]: ...
+    def mixed_step_time(self, chunks: list[tuple[int, int]], contexts: list[int]) -> float: ...
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float: ...
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float: ...
     def handshake_time(self) -> float: ...
@@ -110,6 +117,7 @@ class EngineConfig:
     decode_policy: Policy = Policy("least_loaded")  # noqa: RUF009
     prefill_policy: Policy = Policy("least_loaded")  # noqa: RUF009
     prefill_prefix_caching: bool = False
+    decode_prefix_caching: bool = False
     ttl: float = 480.0
     renewable: bool = False
     heartbeat_interval: float = 5.0
@@ -162,7 +170,20 @@ class SimRequest:
     ok: bool = True
     taken: RetainedHandle | None = None  # the conversation's handle this turn took
     attempt: int = 0  # decode's attempt: a failed load's local compute is the next one
+    preemptions: int = 0  # times decode preempted it (vLLM's request_num_preemptions)
+    last_token: float = -1.0  # when decode's last step for it ended
     itl: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LocalPrefill:
+    """A prompt decode computes itself, in chunks: a failed load's, or a preempted request's
+    prompt and output so far."""
+
+    r: SimRequest
+    left: int  # tokens still to compute
+    done: int  # tokens in the cache so far
+    why: str
 
 
 @functools.lru_cache(maxsize=64)
@@ -711,16 +732,27 @@ class DecodeInstance(Instance):
         cfg = sim.cfg
         # decode's pool is the long-lived, fragmented one: retained and decoding requests'
         # blocks interleave; prefill's blocks live only until their transfer ends
-        super().__init__(sim, name, cfg.decode_layout, cfg.decode_blocks, cfg.pool_run_blocks)
+        super().__init__(sim, name, cfg.decode_layout, cfg.decode_blocks, cfg.pool_run_blocks,
+                         prefix_caching=cfg.decode_prefix_caching)
         self.core = D.DecodeCore(name, cfg.decode_layout)
         self.waiting: deque[SimRequest] = deque()
         self.loading: set[str] = set()
         self.joining: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.pulls: deque[tuple[SimRequest, TransferPlanned]] = deque()
-        self.recomputes: deque[SimRequest] = deque()
+        # (request, tokens to compute, tokens cached, why): computed locally in the loop, in
+        # chunks mixed with the decodes (`prefilling`)
+        self.recomputes: deque[tuple[SimRequest, int, int, str]] = deque()
+        self.prefilling: list[LocalPrefill] = []
         self.retained: OrderedDict[str, None] = OrderedDict()  # leases, oldest first
         self.held: dict[str, int] = {}  # request id -> blocks it holds
+        self.resuming: set[str] = set()  # waiting requests that were preempted
+        self.preemptions = 0  # vllm:num_preemptions_total of this instance
+        self.preempted_in_step = False
+        self.admit_after = 0.0  # vLLM admits nothing in a step that preempted
+        # the macro-step under way: when its first step starts, when each step ends (from
+        # then), the steps at which its requests take a block (sorted); see `_in_flight`
+        self.plan: tuple[float, list[float], list[int]] | None = None
         self.reader = simpy.Resource(sim.env, capacity=1)
         self.admit_wake = sim.env.event()
         sim.env.process(self.admit_loop())
@@ -737,7 +769,15 @@ class DecodeInstance(Instance):
 
     def submit(self, r: SimRequest) -> None:
         """The decode leg leaves the router; it waits for blocks after its trip into the
-        scheduler (`request_leg`)."""
+        scheduler (`request_leg`). A request that the whole pool cannot hold is refused, as
+        vLLM refuses one longer than the KV cache holds."""
+        bs = self.layout.block_size
+        if -(-(r.prompt + r.output) // bs) > self.pool.capacity:
+            raise ValueError(
+                f"request {r.id}: {r.prompt} + {r.output} tokens need "
+                f"{-(-(r.prompt + r.output) // bs)} KV blocks; {self.name}'s whole pool holds "
+                f"{self.pool.capacity} blocks")
+
         def arrive(_: Any = None) -> None:
             self.waiting.append(r)
             self.on_freed()
@@ -749,33 +789,120 @@ class DecodeInstance(Instance):
             arrive()
 
     def admit_loop(self) -> Iterator[Any]:
-        """A request gets its prompt's blocks once a sequence slot exists and the pool can hold
-        its whole output too (the output's blocks are taken one by one as tokens need them, as
-        vLLM does; reserving them up front stands in for preemption, which is not modelled);
-        retained KV is evicted, oldest lease first, when the pool runs short."""
+        """The waiting queue's head, in order, once a sequence slot exists and the pool holds
+        the blocks of what it has computed so far: a new request's prompt (its KV comes from
+        prefill), a preempted one's prompt and output so far, less the blocks of it the prefix
+        cache still has (vLLM 0.32 checks the whole sequence, `scheduler_reserve_full_isl`).
+        Output blocks are taken one by one as tokens need them, and a running request that
+        finds none preempts another (`make_room`). Blocks the running batch's steps so far
+        took (`_in_flight`) are not handed out: vLLM serves running requests before waiting
+        ones in every step; an admission ends the macro-step at the step under way, so the
+        running batch's next blocks come out of what is left. Retained KV is evicted, oldest
+        lease first, when the pool runs short."""
         env, cfg = self.sim.env, self.sim.cfg
-        bs = self.layout.block_size
-        pool = self.pool
         while True:
+            if self.waiting and env.now < self.admit_after:
+                yield env.timeout(self.admit_after - env.now)
+                continue
             busy = len(self.running) + len(self.loading) + len(self.joining)
-            blocks = None
+            got = None
             if self.waiting and busy < cfg.max_num_seqs:
-                r = self.waiting[0]
-                need = -(-(r.prompt + r.output) // bs)
-                now = -(-r.prompt // bs)
-                while pool.free - pool.reserved < need and self.retained:
-                    lease, _ = self.retained.popitem(last=False)
-                    self.do(Release(lease, "evicted under memory pressure"))
-                if pool.free - pool.reserved >= need:
-                    blocks = pool.take(now)
-                    pool.reserved += need - now
-                    self.held[r.id] = now
-            if blocks is None:
+                got = self._take_for(self.waiting[0])
+            if got is None:
                 if self.admit_wake.triggered:
                     self.admit_wake = env.event()
                 yield self.admit_wake
                 continue
-            self.admit(self.waiting.popleft(), blocks)
+            r = self.waiting.popleft()
+            if r.id in self.resuming:
+                self.resume(r, *got)
+            else:
+                self.admit(r, got[0])
+            self.poke()  # the running batch re-plans its blocks from the next step on
+
+    def _take_for(self, r: SimRequest) -> tuple[tuple[int, ...], int] | None:
+        """Blocks for what `r` has computed so far and how many of its tokens they already
+        hold (prefix-cache hits of a preempted request's own blocks); None: not yet."""
+        bs, pool = self.layout.block_size, self.pool
+        if r.id in self.resuming:
+            tokens = r.prompt + r.done_tokens
+            hit = self._own_hits(r, tokens)
+        else:
+            tokens, hit = r.prompt, []
+        need = -(-tokens // bs) - len(hit) + self._in_flight()
+        while pool.free_after_touch(hit) < need and self.retained:
+            lease, _ = self.retained.popitem(last=False)
+            self.do(Release(lease, "evicted under memory pressure"))
+        if pool.free_after_touch(hit) < need:
+            return None
+        need -= self._in_flight()
+        pool.touch(hit)
+        new = pool.take(need)
+        assert new is not None
+        self.held[r.id] = len(hit) + need
+        return (*hit, *new), len(hit) * bs
+
+    def _chain(self, r: SimRequest, n: int) -> list[int]:
+        """The prefix-cache hashes of `r`'s first `n` blocks: the workload's (prompt, and the
+        output of a conversation's turn), then hashes of its own for output blocks that have
+        none (generated tokens are the request's own: no other request shares them)."""
+        known = r.retained_hashes if r.retained_hashes is not None else r.hashes
+        chain = known[:n].tolist() if known is not None else []
+        chain += [int.from_bytes(hashlib.blake2b(f"{r.id}/{i}".encode(), digest_size=8)
+                                 .digest(), "little") for i in range(len(chain), n)]
+        return chain
+
+    def _own_hits(self, r: SimRequest, tokens: int) -> list[int]:
+        """Free cached blocks of the longest cached prefix of `r`'s `tokens` (never the last
+        token: vLLM computes at least one)."""
+        if not self.pool.prefix_caching:
+            return []
+        hits = []
+        for b in self.pool.hits(self._chain(r, (tokens - 1) // self.layout.block_size),
+                                (tokens - 1) // self.layout.block_size):
+            if b not in self.pool.queue:  # held elsewhere (or a synthetic history's run)
+                break
+            hits.append(b)
+        return hits
+
+    def preempt(self, r: SimRequest) -> None:
+        """vLLM's preemption: the request leaves the running batch, its blocks are freed
+        (the full ones stay in the prefix cache, evictable, when decode caches prefixes) and
+        it goes back to the front of the waiting queue. It never loads its KV again: as in
+        the live connector, the rest of its life is the exchange's next attempt, computed
+        here from its prompt and the tokens it generated so far."""
+        env, bs = self.sim.env, self.layout.block_size
+        local = next((p for p in self.prefilling if p.r is r), None)
+        if local is not None:  # preempted during its local prefill: what it computed so far
+            self.prefilling.remove(local)
+            self.loading.discard(r.id)
+            computed = local.done
+        else:
+            self.running.remove(r)
+            computed = r.prompt + r.done_tokens
+        self.preemptions += 1
+        r.preemptions += 1
+        self.preempted_in_step = True
+        self.sim.rec(RequestPreempted(at=env.now, instance=self.name, request=r.id,
+                                      attempt=r.attempt))
+        entry = self.core.entries.get((r.id, r.attempt))
+        if entry is not None and self.pool.prefix_caching:
+            n = min(computed // bs, len(entry.blocks))
+            self.pool.cache(self._chain(r, n), entry.blocks[:n])
+        self.do(D.Finish(r.id, r.attempt))
+        self.held.pop(r.id, None)
+        r.attempt = rules.next_attempt(r.attempt)
+        self.resuming.add(r.id)
+        self.waiting.appendleft(r)
+
+    def resume(self, r: SimRequest, blocks: tuple[int, ...], cached: int) -> None:
+        """A preempted request is scheduled again: it computes what the prefix cache lost."""
+        self.resuming.discard(r.id)
+        self.loading.add(r.id)
+        self.do(D.Allocate(r.id, r.attempt, blocks))
+        self.recomputes.append((r, r.prompt + r.done_tokens - cached, cached,
+                                "preempted: recompute"))
+        self.poke()
 
     def admit(self, r: SimRequest, blocks: tuple[int, ...]) -> None:
         cfg, env = self.sim.cfg, self.sim.env
@@ -853,17 +980,18 @@ class DecodeInstance(Instance):
         self.sim.env.timeout(max(notice, 0.0)).callbacks.append(join)
 
     def fallback(self, r: SimRequest) -> None:
-        """The KV will not come: decode computes the prompt itself (a stall of its loop); the
-        request is still served, and the core's KVLoadFailed records why. As in the live
-        connector, the local compute is the exchange's next attempt (`next_attempt`): the
-        failed attempt's books end and its blocks are taken again for the compute."""
+        """The KV will not come: decode computes the prompt itself (in chunks mixed into its
+        steps, `_chunks`); the request is still served, and the core's KVLoadFailed records
+        why. As in the live connector, the local compute is the exchange's next attempt
+        (`next_attempt`): the failed attempt's books end and its blocks are taken again for
+        the compute."""
         if self.core.phase(r.id, r.attempt) == "decoding":
             self.do(D.Finish(r.id, r.attempt))
         r.attempt = rules.next_attempt(r.attempt)
         blocks = self.pool.take(self.held.get(r.id, 0))
         assert blocks is not None, "the blocks just freed are free"
         self.do(D.Allocate(r.id, r.attempt, blocks))
-        self.recomputes.append(r)
+        self.recomputes.append((r, r.prompt, 0, "KV load failed: local prefill"))
         self.poke()
 
     def pull_read(self, r: SimRequest, plan: TransferPlanned) -> Iterator[Any]:
@@ -916,14 +1044,10 @@ class DecodeInstance(Instance):
                                            seconds=prep, cause="pull descriptor preparation"))
                 env.process(self._after(prep, self.pull_read, r, plan))
             while self.recomputes:
-                r = self.recomputes.popleft()
-                t = costs.prefill_time(r.prompt, 0)
-                stall += t
-                self.sim.rec(EngineStalled(at=env.now, instance=self.name, request=r.id,
-                                           seconds=t, cause="KV load failed: local prefill"))
-                self.loading.discard(r.id)
-                self.running.append(r)
-            if not self.running:
+                r, new, cached, why = self.recomputes.popleft()
+                self.prefilling.append(LocalPrefill(r, new, cached, why))
+            self.make_room()
+            if not self.running and not self.prefilling:
                 if stall:
                     yield env.timeout(stall)
                     continue
@@ -931,10 +1055,27 @@ class DecodeInstance(Instance):
                 yield self.wake
                 continue
             batch = len(self.running)
-            k = min(r.output - r.done_tokens for r in self.running)
             ctx = sum(r.prompt + r.done_tokens for r in self.running)
-            durations = costs.decode_step_times(batch, ctx, k)
+            chunks = self._chunks()
+            if chunks:  # one step mixing the decodes with local prefill chunks
+                k, crossings = self._fit(1)
+                durations = [costs.mixed_step_time([(n, p.done) for p, n in chunks],
+                                                   [r.prompt + r.done_tokens
+                                                    for r in self.running])]
+                extra = durations[0] - (costs.decode_step_time(batch, ctx) if batch else 0.0)
+                total = sum(n for _, n in chunks)
+                for p, n in chunks:  # what the chunk adds to the step the batch waits for
+                    self.sim.rec(EngineStalled(at=env.now, instance=self.name,
+                                               request=p.r.id, seconds=extra * n / total,
+                                               cause=p.why))
+            else:
+                k, crossings = self._fit(min(r.output - r.done_tokens for r in self.running))
+                durations = costs.decode_step_times(batch, ctx, k)
             start = env.now
+            self.plan = (start + stall, list(itertools.accumulate(durations)), crossings)
+            if self.preempted_in_step:
+                self.admit_after = start + stall + durations[0]
+                self.preempted_in_step = False
             self._rearm()
             timer = env.timeout(stall + sum(durations))
             yield timer | self.wake
@@ -950,34 +1091,119 @@ class DecodeInstance(Instance):
                 if start + stall + acc > env.now:
                     yield env.timeout(start + stall + acc - env.now)
             self._advance(steps, durations, stall, start)
+            self._advance_chunks(chunks)
 
     def _after(self, delay: float, fn: Callable[..., Iterator[Any]], *args: Any
                ) -> Iterator[Any]:
         yield self.sim.env.timeout(delay)
         yield from fn(*args)
 
+    def _chunks(self) -> list[tuple[LocalPrefill, int]]:
+        """This step's local prefill chunks: the decodes take one token each of the step's
+        budget (`max_num_batched_tokens`), the prefills what is left, oldest first."""
+        budget = self.sim.cfg.max_num_batched_tokens - len(self.running)
+        out = []
+        for p in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(p.left, budget)
+            out.append((p, n))
+            budget -= n
+        return out
+
+    def _advance_chunks(self, chunks: list[tuple[LocalPrefill, int]]) -> None:
+        """The step computed these chunks; a prefill it completed samples a token (the first,
+        or a preempted request's next) and the request joins the running batch."""
+        env, leg = self.sim.env, self.sim.costs.response_leg()
+        for p, n in chunks:
+            p.left -= n
+            p.done += n
+            if p.left > 0:
+                continue
+            self.prefilling.remove(p)
+            r = p.r
+            self.loading.discard(r.id)
+            if r.done_tokens == 0:
+                r.first_token = env.now + leg
+                self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
+                                               request=r.id, ttft=r.first_token - r.arrival))
+            else:  # the gap since its last token, preempted time included
+                r.itl.append((env.now - r.last_token, 1))
+            r.done_tokens += 1
+            r.last_token = env.now
+            if r.done_tokens >= r.output:
+                r.finish = env.now + leg
+                self.finish(r)
+            else:
+                self.running.append(r)
+
+    def _crossings(self, r: SimRequest, steps: int) -> list[int]:
+        """The steps (1-based, up to `steps`) at which `r` needs a new block."""
+        bs = self.layout.block_size
+        held = self.held.get(r.id, 0)
+        final = -(-(r.prompt + r.output) // bs)
+        # step i writes token position prompt + done + i - 1
+        out, i = [], max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
+        while i <= steps and held < final:
+            out.append(i)
+            held += 1
+            i += bs
+        return out
+
+    def make_room(self) -> None:
+        """vLLM's step, running requests first, in order: each gets the block its next token
+        needs; when the pool has none (after evicting retained KV, oldest first), the last
+        running request is preempted, until the block is there or the request itself was
+        the one preempted (vLLM's FCFS policy; prefix-cached free blocks count as free).
+        Requests computing a local prefill joined the running list last: they go first."""
+        pool, need, i = self.pool, 0, 0
+        while i < len(self.running):
+            r = self.running[i]
+            n = len(self._crossings(r, 1))
+            while need + n > pool.free:
+                if self.retained:
+                    lease, _ = self.retained.popitem(last=False)
+                    self.do(Release(lease, "evicted under memory pressure"))
+                    continue
+                victim = self.prefilling[-1].r if self.prefilling else self.running[-1]
+                self.preempt(victim)
+                if victim is r:
+                    break
+            else:
+                need += n
+                i += 1
+
+    def _fit(self, k: int) -> tuple[int, list[int]]:
+        """At most `k` steps, no more than the pool's free blocks can serve (the step that
+        would need one more ends the macro-step, and `make_room` preempts at its start), and
+        the steps at which they take a block."""
+        steps = sorted(s for r in self.running for s in self._crossings(r, k))
+        if len(steps) > self.pool.free:
+            k = steps[self.pool.free] - 1  # make_room left every step-1 block free: k >= 1
+        return k, [s for s in steps if s <= k]
+
+    def _in_flight(self) -> int:
+        """Blocks the macro-step under way has taken by now in vLLM's terms (every step begun
+        has its blocks), which the driver takes when the macro-step ends (`grow`)."""
+        if self.plan is None:
+            return 0
+        t0, ends, steps = self.plan
+        begun = bisect.bisect_right(ends, self.sim.env.now - t0) + 1
+        return bisect.bisect_right(steps, begun)
+
     def grow(self, steps: int) -> None:
         """The running requests' output blocks, taken as their tokens cross block boundaries
         over `steps` steps, in the order the steps cross them (so requests interleave)."""
-        bs, pool = self.layout.block_size, self.pool
-        crossings: list[tuple[int, int, SimRequest]] = []
-        for k, r in enumerate(self.running):
-            held = self.held.get(r.id, 0)
-            final = -(-(r.prompt + r.output) // bs)
-            # step i (1-based) writes token position prompt + done + i - 1
-            first = held * bs - (r.prompt + r.done_tokens) + 1
-            i = max(first, 1)
-            while i <= steps and held < final:
-                crossings.append((i, k, r))
-                held += 1
-                i += bs
+        pool = self.pool
+        crossings = [(i, k, r) for k, r in enumerate(self.running)
+                     for i in self._crossings(r, steps)]
+        self.plan = None
         if not crossings:
             return
         crossings.sort(key=lambda c: (c[0], c[1]))
         got: dict[str, list[int]] = {}
         taken = pool.take(len(crossings))
-        assert taken is not None, "decode growth exceeded its reservation"
-        pool.reserved -= len(crossings)
+        assert taken is not None, "decode growth found fewer free blocks than it planned"
         for (_, _, r), b in zip(crossings, taken, strict=True):
             got.setdefault(r.id, []).append(b)
         for r in self.running:
@@ -1004,6 +1230,7 @@ class DecodeInstance(Instance):
                 r.itl.append((rest / (steps - 1), steps - 1))
             r.stall_s += stall
             r.done_tokens += steps
+            r.last_token = env.now
             if r.done_tokens >= r.output:
                 r.finish = env.now + leg
                 self.finish(r)
@@ -1013,9 +1240,7 @@ class DecodeInstance(Instance):
 
     def finish(self, r: SimRequest) -> None:
         cfg = self.sim.cfg
-        bs = self.layout.block_size
-        held = self.held.pop(r.id, 0)
-        self.pool.reserved -= max(0, -(-(r.prompt + r.output) // bs) - held)
+        self.held.pop(r.id, None)
         retain = None
         # the router's wish for this request, decode's default (kvplane's: off), the core rules
         mode = "bidirectional" if cfg.bidirectional else cfg.mode

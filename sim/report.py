@@ -10,7 +10,7 @@ from typing import Any
 
 def points_table(points: Sequence[dict[str, Any]]) -> str:
     head = (f"{'point':<34} {'n':>5} {'TTFT mean':>10} {'p90':>8} {'TPOT mean':>10} "
-            f"{'p90':>7} {'prefill':>8} {'xfer':>7} {'reuse read':>10} {'tok/s':>8}")
+            f"{'p90':>7} {'prefill':>8} {'xfer':>7} {'reuse read':>10} {'tok/s':>8} {'preempt':>7}")
     rows = [head, "-" * len(head)]
     for p in points:
         label = p["label"]
@@ -20,7 +20,8 @@ def points_table(points: Sequence[dict[str, Any]]) -> str:
             f"{label:<34} {p['n']:>5} {p['ttft_ms']['mean']:>10.1f} "
             f"{p['ttft_ms']['p90']:>8.1f} {p['tpot_ms']['mean']:>10.2f} {p['tpot_ms']['p90']:>7.2f}"
             f" {p['prefill_ms']['mean']:>8.1f} {_num(p['transfer_ms']['mean']):>7}"
-            f" {_num(p['reuse_read_ms']['mean']):>10} {p['throughput_tok_s']:>8.0f}")
+            f" {_num(p['reuse_read_ms']['mean']):>10} {p['throughput_tok_s']:>8.0f}"
+            f" {p.get('preemptions', 0):>7}")
     return "\n".join(rows) + "\n(times in ms; conv/s: new conversations per second)" \
         if any(p.get("rate_unit") == "conversations/s" for p in points) \
         else "\n".join(rows) + "\n(times in ms)"

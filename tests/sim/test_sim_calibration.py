@@ -307,3 +307,24 @@ def _table() -> None:  # pragma: no cover - a report, not a test
 
 if __name__ == "__main__":  # pragma: no cover
     _table()
+
+
+def test_unfitted_priors_equal_the_calibration_they_say_they_copy() -> None:
+    """A prior whose constants say `derived: the value of calib-X` holds X's current values
+    (a refit of X once left them at X's first fit while claiming otherwise)."""
+    from kvplane.sim.profiles import CalibrationProfile, bundled_profile_names
+
+    copies = 0
+    for name in bundled_profile_names("calibration"):
+        prior = load_profile(name, "calibration")
+        assert isinstance(prior, CalibrationProfile)
+        for field, c in prior.constants().items():
+            said = c.source.removeprefix("derived: the value of ")
+            if said == c.source:
+                continue
+            source = load_profile(said.split(",")[0].split()[0], "calibration")
+            assert isinstance(source, CalibrationProfile)
+            assert c.value == source.constants()[field].value, (name, field)
+            assert not c.fitted_to, (name, field)
+            copies += 1
+    assert copies >= 3 * 6  # the MoE H200, dense H100 and MoE H100 priors

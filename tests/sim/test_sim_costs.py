@@ -343,3 +343,16 @@ def test_a_macro_step_s_step_times_equal_one_call_per_step_bit_for_bit(name: str
                                   (3, 7, 5), (2, 100, 2)):
             want = [c.decode_step_time(batch, ctx + batch * i) for i in range(steps)]
             assert c.decode_step_times(batch, ctx, steps) == want
+
+
+def test_kv_dtype_is_apart_from_the_weights() -> None:
+    """An fp8 KV cache with bf16 weights: half the bytes per token (twice the pool, half a
+    transfer), the weights' bytes unchanged."""
+    hw = hardware("p5en-h200-tp8")
+    q = model("qwen3-32b")
+    q8 = q.model_copy(update={"kv_dtype": "fp8"})
+    assert q.weight_dtype == q8.weight_dtype == "bf16"
+    g, g8 = KVGeometry.of(q, 8), KVGeometry.of(q8, 8)
+    assert g8.bytes_per_token_per_rank == pytest.approx(g.bytes_per_token_per_rank / 2)
+    assert ComputeCost(q8, hw).weight_bytes_per_rank() == ComputeCost(q, hw).weight_bytes_per_rank()
+    assert kv_pool_blocks(q8, hw, 8) == pytest.approx(2 * kv_pool_blocks(q, hw, 8), rel=1e-3)
