@@ -142,7 +142,8 @@ def test_a_request_larger_than_the_decode_pool_is_refused_with_a_reason() -> Non
         sim.env.run(until=10)
 
 
-def test_the_run_summary_counts_preemptions_as_vllm_does() -> None:
+@pytest.mark.parametrize("run_blocks", [None, 4.0])
+def test_the_run_summary_counts_preemptions_as_vllm_does(run_blocks: float | None) -> None:
     """`preemptions` of a point is vllm:num_preemptions_total summed over decode instances;
     the points table shows it. The scenario's activation reserve leaves decode a pool of
     two and a half requests' full length, with up to eight running."""
@@ -150,7 +151,8 @@ def test_the_run_summary_counts_preemptions_as_vllm_does() -> None:
     data: dict[str, Any] = {
         "name": "tight", "seed": 3, "requests": 24, "warmup_requests": 0,
         "profiles": base.model_dump(mode="json")["profiles"],
-        "engine": {"activation_reserve_bytes": 0.0},
+        # 4.0: decode's pool starts with a synthetic history (free runs of ~4 blocks)
+        "engine": {"activation_reserve_bytes": 0.0, "pool_run_blocks": run_blocks},
         "connector": {"mode": "push", "prefix_caching": {"prefill": True, "decode": True}},
         "workload": {"kind": "poisson", "qps": 8, "input_len": {"mean": 2048},
                      "output_len": {"mean": 512}},
