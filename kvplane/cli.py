@@ -94,6 +94,7 @@ def sim_run(
 ) -> None:
     """Run every point of a scenario's sweep, record every core event, print a summary."""
     from kvplane.sim.config import ScenarioError
+    from kvplane.sim.engine import PoolTooSmall
     from kvplane.sim.engines import EngineError
     from kvplane.sim.runner import run_scenario
 
@@ -102,6 +103,9 @@ def sim_run(
                                requests=requests, engine=engine, address=address)
     except (ScenarioError, EngineError) as exc:
         _fail(str(exc))
+        return
+    except PoolTooSmall as exc:
+        _fail(f"{scenario}: {exc}")
         return
     from kvplane.sim.report import points_table
 

@@ -79,6 +79,11 @@ from kvplane.core.routing import Load, Policy, choose
 Record = Callable[[Event], None]
 
 
+
+class PoolTooSmall(ValueError):
+    """A request longer than a decode instance's whole KV pool: vLLM would refuse it (its
+    length is over what the cache holds); a scenario whose workload makes one is wrong."""
+
 class Costs(Protocol):
     """What the engine needs to know about time. Built from model and hardware profiles."""
 
@@ -557,7 +562,15 @@ class PrefillInstance(Instance):
     def submit(self, r: SimRequest) -> None:
         """The prefill leg leaves the router; its trip into the scheduler (`request_leg`) and
         the per-request overhead (calibrated, holds no engine) pass before it can be
-        scheduled."""
+        scheduled. A prompt that the whole pool cannot hold is refused (it would wait
+        forever: prefill takes a prompt's blocks at admission)."""
+        need = -(-r.prompt // self.layout.block_size)
+        if need > self.pool.capacity:
+            raise PoolTooSmall(
+                f"request {r.id}: its {r.prompt}-token prompt needs {need} KV blocks; "
+                f"{self.name}'s whole pool holds {self.pool.capacity} blocks (shorten the "
+                "workload's input_len, or give prefill more KV memory: prefill TP, "
+                "engine.activation_reserve_bytes, the hardware profile)")
         r.prefill_received = self.sim.env.now
 
         def enqueue(_: Any) -> None:
@@ -773,10 +786,12 @@ class DecodeInstance(Instance):
         vLLM refuses one longer than the KV cache holds."""
         bs = self.layout.block_size
         if -(-(r.prompt + r.output) // bs) > self.pool.capacity:
-            raise ValueError(
+            raise PoolTooSmall(
                 f"request {r.id}: {r.prompt} + {r.output} tokens need "
                 f"{-(-(r.prompt + r.output) // bs)} KV blocks; {self.name}'s whole pool holds "
-                f"{self.pool.capacity} blocks")
+                f"{self.pool.capacity} blocks (shorten the workload's input_len/output_len, or "
+                "give decode more KV memory: engine.activation_reserve_bytes, decode TP, the "
+                "hardware profile)")
 
         def arrive(_: Any = None) -> None:
             self.waiting.append(r)

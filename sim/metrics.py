@@ -65,7 +65,8 @@ def summarize(done: Sequence[SimRequest], warmup: float = 0.0) -> dict[str, Any]
         "tpot_ms": _stats(tpot),
         "itl_ms": _stats(itl_v, itl_w if itl_w.size else None),
         "e2e_ms": _stats([r.finish - r.arrival for r in reqs]),
-        "prefill_ms": _stats([r.prefill_end - r.prefill_received for r in reqs]),
+        "prefill_ms": _stats([r.prefill_end - r.prefill_received for r in reqs
+                              if r.prefill_end >= 0]),
         "transfer_ms": _stats(transfer),
         "reuse_read_ms": _stats([r.reuse_read_s for r in reqs if r.reuse_read_s > 0]),
         "recompute_ms": _stats([r.compute_s for r in reqs]),
@@ -101,7 +102,10 @@ class StreamingSummary:
         c["tpot"].append((r.finish - r.first_token) / (r.output - 1) if r.output > 1
                          else float("nan"))
         c["e2e"].append(r.finish - r.arrival)
-        c["prefill"].append(r.prefill_end - r.prefill_received)
+        # a request whose prefill never ran (decode computed it after a failed load) has no
+        # prefill duration
+        c["prefill"].append(r.prefill_end - r.prefill_received if r.prefill_end >= 0
+                            else float("nan"))
         c["transfer"].append(r.transfer_end - r.transfer_start if r.transfer_end >= 0
                              else float("nan"))
         c["read"].append(r.reuse_read_s)
@@ -129,6 +133,7 @@ class StreamingSummary:
         col = {k: v[order] for k, v in col.items()}
         tpot = col["tpot"][~np.isnan(col["tpot"])]
         transfer = col["transfer"][~np.isnan(col["transfer"])]
+        prefill = col["prefill"][~np.isnan(col["prefill"])]
         read = col["read"][col["read"] > 0]
         span = float(col["finish"].max() - col["arrival"].min())
         total = self.itl.sum()
@@ -148,7 +153,7 @@ class StreamingSummary:
             "tpot_ms": _stats(tpot),
             "itl_ms": itl,
             "e2e_ms": _stats(col["e2e"]),
-            "prefill_ms": _stats(col["prefill"]),
+            "prefill_ms": _stats(prefill),
             "transfer_ms": _stats(transfer),
             "reuse_read_ms": _stats(read),
             "recompute_ms": _stats(col["compute"]),

@@ -243,3 +243,19 @@ def test_a_failed_load_is_computed_as_the_next_attempt() -> None:
     assert failed <= again
     report = replay(log, final=True)
     assert report.ok, "\n".join(map(str, report.violations[:10]))
+
+
+def test_cli_a_request_no_pool_can_hold_is_a_clear_error(tmp_path: Path) -> None:
+    """A workload whose prompts no prefill pool holds (prefill TP 1, a million tokens): an
+    error naming the scenario, the request and the pool, exit 2, no traceback."""
+    import yaml
+
+    path = tmp_path / "huge.yaml"
+    path.write_text(yaml.safe_dump(dict(
+        BASE, requests=2, cluster={"prefill_tp": 1}, engine={"max_model_len": 2_000_000},
+        workload={"kind": "poisson", "qps": 1, "input_len": {"mean": 1_000_000, "dist": "fixed"},
+                  "output_len": {"mean": 8, "dist": "fixed"}})))
+    res = CliRunner().invoke(app, ["sim", "run", str(path), "--no-record", "--jobs", "1"])
+    assert res.exit_code == 2, res.output
+    assert "huge.yaml" in res.output and "prefill-0's whole pool holds" in res.output
+    assert "Traceback" not in res.output

@@ -209,3 +209,16 @@ def test_a_local_prefill_is_chunked_into_the_decode_steps_under_the_token_budget
     assert c.first_token == pytest.approx(t + costs.response_leg())
     assert a.first_token < c.first_token  # the decodes went on meanwhile
     assert d.pool.free == d.pool.capacity
+
+
+def test_a_prompt_larger_than_the_prefill_pool_is_refused_not_left_waiting() -> None:
+    """Prefill takes a prompt's blocks at admission: one its whole pool cannot hold would wait
+    forever (decode then computes it after its KV wait), so it is refused with a reason."""
+    from kvplane.sim.engine import PoolTooSmall
+
+    sim, _, _ = _sim(decode_blocks=10_000)
+    cap = sim.prefills["prefill-0"].pool.capacity
+    bs = sim.cfg.prefill_layout.block_size
+    with pytest.raises(PoolTooSmall, match=f"prefill-0.*{cap} blocks"):
+        sim.submit(SimRequest("long", 0.0, (cap + 1) * bs, 4))
+        sim.env.run(until=10)
