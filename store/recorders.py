@@ -122,6 +122,7 @@ class BatchingRecorder:
         self._marks = 0  # flush marks in the queue: the writer must write up to them
         self._marks_lock = threading.Lock()
         self.written = 0
+        self.writer_cpu_s = 0.0  # CPU seconds the writer thread spent, once it has stopped
         self._thread = threading.Thread(
             target=self._run, name=f"kvplane-recorder-{run_id[:8]}", daemon=True
         )
@@ -215,6 +216,8 @@ class BatchingRecorder:
             for item in list(self._queue):
                 if isinstance(item, _FlushMark):
                     item.done.set()
+        finally:
+            self.writer_cpu_s = time.thread_time()
 
     def _drain(self, *, everything: bool) -> bool:
         """Write what is due; True if anything was written."""
