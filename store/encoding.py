@@ -27,10 +27,13 @@ Block-id lists are most of a recording's bytes and work (a 16k-token prompt is a
 ids, and the same list is in about six events of its request: reserved, registration sent
 and arrived, prefill finished, transfer planned, freed). The core hands the same tuple object
 from event to event, so each list is checked and packed once, then reused by identity (a small
-cache that holds the tuple itself, so an id is never mistaken). Packed, a list is its runs of
-consecutive ids, (start, length) pairs, or the ids themselves where that is shorter, as
-little-endian int32: a contiguous 1,024-id list is 12 bytes instead of about 5 KB of JSON
-(`pack_lists` has the format). A list with an id outside int32 takes the slow way (JSON).
+cache that holds the tuple itself, so an id is never mistaken). Packed, an ascending list of
+near neighbours (the common case) is its first id and a byte per id, the difference from the
+one before (two bytes where it may be negative or over 255), made in one C-level pass and
+folded by zlib; any other list is its runs of
+consecutive ids or the ids themselves (`pack_lists` has the format). A 1,024-id list of
+consecutive ids is about 30 bytes instead of about 5 KB of JSON. A list with an id outside
+int32 takes the slow way (JSON).
 """
 
 from __future__ import annotations
@@ -38,11 +41,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 import sys
 import types
 import typing
+import zlib
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate, islice
+from operator import sub
 from typing import Any, Literal, NamedTuple, TypeVar, Union
 
 from ._core import EVENT_TYPES, Event, SchemaError, encode, validate
@@ -145,12 +152,24 @@ def merge_lists(payload: dict[str, Any], lists: bytes) -> dict[str, Any]:
 # --- block-id lists, packed ----------------------------------------------------------------
 #
 # A packed `lists` value: the byte 0x01 (the format), the field names joined by ",", ":",
-# then little-endian int32s: for each field in that order a head k, then either k runs as
-# (start, length) pairs (k >= 0) or -k ids as they are (k < 0). Runs keep the list's order
-# exactly: a list is the concatenation of its runs.
+# then one piece per field in that order. A piece is a kind byte, the length of its body
+# (uint32) and the body; kind 0x80 set: the body is zlib-compressed (level 1), the kind is
+# then that of the body inflated. Bodies, all little-endian:
+#   kind 0: the empty list (no body);
+#   kind 1: the ids as int32;
+#   kind 2: runs of consecutive ids, (start, length) int32 pairs, in the list's order;
+#   kind 3: the first id as int32, then the difference of each id from the one before as a
+#           byte (0-255): an ascending list of near neighbours, the common case;
+#   kind 4: the same with the differences as int16: near neighbours in any order.
+# The kinds are tried in the order 3, 4, 2, 1: one C-level pass makes the deltas, and zlib
+# folds their runs of 1s (a 1,024-id list of consecutive ids is about 30 bytes).
 
 _FORMAT = b"\x01"
 _BIG_ENDIAN = sys.byteorder == "big"
+_HEAD = struct.Struct("<BI")
+_FIRST = struct.Struct("<i")
+_ZIP = 0x80
+_ZIP_OVER = 512  # longer bodies are offered to zlib (its set-up costs more than it saves below)
 assert array("i").itemsize == 4, "int32 arrays are what the packed format holds"
 
 
@@ -173,37 +192,53 @@ def unpack_lists(data: bytes) -> dict[str, list[int]]:
     colon = data.find(b":")
     if data[:1] != _FORMAT or colon < 0:
         raise ValueError("its block lists are in an unknown format")
-    body = data[colon + 1:]
-    if len(body) % 4:
-        raise ValueError("its block lists are cut short")
-    values = array("i")
-    values.frombytes(body)
-    if _BIG_ENDIAN:
-        values.byteswap()
     out: dict[str, list[int]] = {}
-    pos, end = 0, len(values)
+    pos, end = colon + 1, len(data)
     for name in data[1:colon].decode("ascii", "replace").split(","):
-        if pos >= end:
+        if pos + _HEAD.size > end:
             raise ValueError(f"its block lists end before {name!r}")
-        k = values[pos]
-        pos += 1
-        if k < 0:
-            ids = values[pos:pos - k].tolist()
-            pos -= k
-        else:
-            pairs = values[pos:pos + 2 * k]
-            pos += 2 * k
-            ids = []
-            for start, length in zip(pairs[::2], pairs[1::2], strict=True):
-                if length < 1:
-                    raise ValueError(f"its block list {name!r} has a run of length {length}")
-                ids.extend(range(start, start + length))
+        kind, size = _HEAD.unpack_from(data, pos)
+        pos += _HEAD.size + size
         if pos > end:
             raise ValueError(f"its block list {name!r} is cut short")
-        out[name] = ids
+        body = data[pos - size:pos]
+        try:
+            if kind & _ZIP:
+                kind, body = kind & ~_ZIP, zlib.decompress(body)
+            out[name] = _unpack_body(kind, body)
+        except (ValueError, zlib.error) as exc:
+            raise ValueError(f"its block list {name!r} is damaged ({exc})") from None
     if pos != end:
         raise ValueError("its block lists have bytes left over")
     return out
+
+
+def _unpack_body(kind: int, body: bytes) -> list[int]:
+    if kind == 0 and not body:
+        return []
+    if kind == 3 and len(body) >= 4:
+        return list(accumulate(body[4:], initial=_FIRST.unpack_from(body)[0]))
+    if kind == 4 and len(body) >= 4 and len(body) % 2 == 0:
+        steps = array("h")
+        steps.frombytes(body[4:])
+        if _BIG_ENDIAN:
+            steps.byteswap()
+        return list(accumulate(steps, initial=_FIRST.unpack_from(body)[0]))
+    if kind in (1, 2) and len(body) % 4 == 0:
+        values = array("i")
+        values.frombytes(body)
+        if _BIG_ENDIAN:
+            values.byteswap()
+        if kind == 1:
+            return values.tolist()
+        if len(values) % 2 == 0:
+            ids: list[int] = []
+            for start, length in zip(values[::2], values[1::2], strict=True):
+                if length < 1:
+                    raise ValueError(f"a run of length {length}")
+                ids.extend(range(start, start + length))
+            return ids
+    raise ValueError(f"kind {kind} with a body of {len(body)} bytes")
 
 
 def _prefix(names: Sequence[str]) -> bytes:
@@ -211,28 +246,59 @@ def _prefix(names: Sequence[str]) -> bytes:
 
 
 def _pack_ints(ids: tuple[int, ...]) -> bytes | None:
-    """One list's piece: head and runs, or head and ids; None if an id is outside int32."""
+    """One list's piece (exact ints); None if an id is outside int32."""
+    if not ids:
+        return _HEAD.pack(0, 0)
+    try:  # near neighbours: the deltas as bytes (ascending) or int16s, made in C
+        first = _FIRST.pack(ids[0])
+        try:
+            deltas = bytes(map(sub, islice(ids, 1, None), ids))
+            if len(deltas) > 4 and deltas.count(1) == len(deltas):  # consecutive: one run
+                return _HEAD.pack(2, 8) + _int32s((ids[0], len(ids)))
+            body, kind = first + deltas, 3
+        except ValueError:
+            steps = array("h", map(sub, islice(ids, 1, None), ids))
+            if _BIG_ENDIAN:
+                steps.byteswap()
+            body, kind = first + steps.tobytes(), 4
+    except (OverflowError, struct.error):
+        runs = _runs(ids)
+        try:
+            if len(runs) < len(ids):
+                body, kind = _int32s(runs), 2
+            else:
+                body, kind = _int32s(ids), 1
+        except OverflowError:
+            return None
+    if len(body) > _ZIP_OVER:
+        folded = zlib.compress(body, 1)
+        if len(folded) < len(body):
+            body, kind = folded, kind | _ZIP
+    return _HEAD.pack(kind, len(body)) + body
+
+
+def _runs(ids: tuple[int, ...]) -> list[int]:
+    """The (start, length) runs of consecutive ids, flat; stops early once they would be
+    longer than the ids themselves."""
     n = len(ids)
     data: list[int] = []
-    if n:
-        add = data.append
-        start = prev = ids[0]
-        for v in ids[1:]:
-            if v != prev + 1:
-                add(start)
-                add(prev - start + 1)
-                start = v
-            prev = v
-        add(start)
-        add(prev - start + 1)
-    if len(data) <= n:
-        data.insert(0, len(data) // 2)
-    else:
-        data = [-n, *ids]
-    try:
-        packed = array("i", data)
-    except OverflowError:
-        return None
+    add = data.append
+    start = prev = ids[0]
+    for v in islice(ids, 1, None):
+        if v != prev + 1:
+            add(start)
+            add(prev - start + 1)
+            if len(data) >= n:
+                return data
+            start = v
+        prev = v
+    add(start)
+    add(prev - start + 1)
+    return data
+
+
+def _int32s(values: Sequence[int]) -> bytes:
+    packed = array("i", values)
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 import typing
 from enum import StrEnum
+from itertools import accumulate
 from typing import Any
 
 import pytest
@@ -147,7 +149,7 @@ def test_a_block_list_shared_by_events_is_written_alike_and_checked_each_time() 
         assert payload_of(row)["blocks"] == list(blocks)
         assert "blocks" not in json.loads(row.payload)  # packed apart, not in the JSON
     assert rows[0] == rows[2]
-    assert len(rows[0].lists or b"") < 30  # one run: a few int32s, not 300 ids
+    assert len(rows[0].lists or b"") < 40  # consecutive ids: a few bytes, not 300 ids
     # a list with a bad id among equal ones is still refused, though its neighbours were seen
     with pytest.raises(EventRefused):
         encode_event(dataclasses.replace(reserved, blocks=(*blocks[:-1], 1.5)))
@@ -155,42 +157,59 @@ def test_a_block_list_shared_by_events_is_written_alike_and_checked_each_time() 
         encode_event(dataclasses.replace(reserved, blocks=(*blocks[:-1], True)))
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40).map(
-    lambda xs: tuple(xs)) | st.builds(
+_ids = st.integers(-(2**31), 2**31 - 1)
+_near = st.builds(  # ascending near neighbours, as pools hand them out
+    lambda first, steps: tuple(accumulate(steps, initial=first)),
+    st.integers(-(2**31), 2**31 - 300_000), st.lists(st.integers(0, 300), max_size=300))
+_runs = st.builds(  # runs of consecutive ids, in any order
     lambda start, parts: tuple(i for a, n in parts for i in range(start + a, start + a + n)),
-    st.integers(-(2**31), 2**31 - 3000), st.lists(st.tuples(st.integers(0, 1000),
-                                                              st.integers(0, 30)), max_size=8)),
-    min_size=1, max_size=3))
+    st.integers(-(2**31), 2**31 - 3000),
+    st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 30)), max_size=8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_ids, max_size=40).map(tuple) | _near | _runs, min_size=1, max_size=3))
 def test_packed_lists_give_back_every_list_exactly(lists: list[tuple[int, ...]]) -> None:
     named = [(f"f{i}", ids) for i, ids in enumerate(lists)]
     packed = pack_lists(named)
     assert unpack_lists(packed) == {n: list(ids) for n, ids in named}
     # never longer than the ids themselves as int32s (plus a head per list and the names)
-    assert len(packed) <= len(_prefix_of(named)) + 4 * sum(len(ids) + 1 for ids in lists)
+    assert len(packed) <= len(_prefix_of(named)) + sum(5 + 4 * len(ids) for ids in lists)
 
 
 def _prefix_of(named: list[tuple[str, tuple[int, ...]]]) -> bytes:
     return b"\x01" + ",".join(n for n, _ in named).encode() + b":"
 
 
-def test_runs_are_short_and_order_is_kept() -> None:
-    contiguous = tuple(range(7, 7 + 1024))
-    assert len(pack_lists([("blocks", contiguous)])) == len(b"\x01blocks:") + 12
-    shuffled = (5, 4, 3, 9, 10, 11, 2)
-    assert unpack_lists(pack_lists([("blocks", shuffled)])) == {"blocks": list(shuffled)}
+def test_lists_as_pools_hand_them_out_are_small_and_keep_their_order() -> None:
+    prefix = len(b"\x01blocks:")
+    consecutive = tuple(range(7, 7 + 1024))
+    assert len(pack_lists([("blocks", consecutive)])) - prefix < 40  # not 4 KB
+    holes = tuple(i for i in range(3000) if i % 3)  # ascending, every third id taken
+    assert len(pack_lists([("blocks", holes)])) - prefix < 100
+    cached_then_new = (*range(90_000, 90_100), *range(10, 600))  # not ascending: two runs
+    assert len(pack_lists([("blocks", cached_then_new)])) - prefix == 5 + 16
+    for ids in (consecutive, holes, cached_then_new, (5, 4, 3, 9, 10, 11, 2), (), (3, 3)):
+        assert unpack_lists(pack_lists([("blocks", ids)])) == {"blocks": list(ids)}
     with pytest.raises(OverflowError):
         pack_lists([("blocks", (1, 2**31))])
 
 
+def _piece(kind: int, body: bytes) -> bytes:
+    return struct.pack("<BI", kind, len(body)) + body
+
+
 @pytest.mark.parametrize("damaged, why", [
     (b"", "unknown format"),
-    (b"\x02blocks:\x00\x00\x00\x00", "unknown format"),
-    (b"\x01blocks:\x01\x00\x00", "cut short"),
-    (b"\x01blocks:\x02\x00\x00\x00\x01\x00\x00\x00\x01\x00\x00\x00", "cut short"),
-    (b"\x01blocks:\x01\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00", "length 0"),
-    (b"\x01blocks:\x00\x00\x00\x00\x00\x00\x00\x00", "left over"),
-    (b"\x01blocks,dst_blocks:\x00\x00\x00\x00", "end before 'dst_blocks'"),
+    (b"\x02blocks:" + _piece(0, b""), "unknown format"),
+    (b"\x01blocks:\x01\x00", "end before 'blocks'"),
+    (b"\x01blocks:" + _piece(1, bytes(8))[:-4], "'blocks' is cut short"),
+    (b"\x01blocks:" + _piece(2, struct.pack("<ii", 5, 0)), "a run of length 0"),
+    (b"\x01blocks:" + _piece(1, bytes(3)), "kind 1 with a body of 3 bytes"),
+    (b"\x01blocks:" + _piece(9, bytes(4)), "kind 9"),
+    (b"\x01blocks:" + _piece(0x81, b"not zlib"), "'blocks' is damaged"),
+    (b"\x01blocks:" + _piece(0, b"") + b"\x00", "left over"),
+    (b"\x01blocks,dst_blocks:" + _piece(0, b""), "end before 'dst_blocks'"),
 ])  # fmt: skip
 def test_damaged_lists_are_named_not_misread(damaged: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):

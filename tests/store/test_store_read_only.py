@@ -210,7 +210,7 @@ def test_a_malformed_payload_names_run_seq_and_type(store_url: str, payload: str
 
 
 @pytest.mark.parametrize("sql, why", [
-    ("UPDATE events SET lists = :b WHERE run = :r AND seq = 4", "its block lists are cut short"),
+    ("UPDATE events SET lists = :b WHERE run = :r AND seq = 4", "its block lists end before 'blocks'"),
     ("UPDATE events SET payload = :p WHERE run = :r AND seq = 4",
      "field 'blocks' is stored twice"),
 ])  # fmt: skip
