@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.caller_cpu_s == r.caller_cpu_s:  # not NaN: one recorder, threads measured apart
             caller, writer = r.events / r.caller_cpu_s, r.events / r.writer_cpu_s
             print(f"{r.backend}: the recording thread {caller:,.0f} events/CPU-s, the writer "
-                  f"thread {writer:,.0f}: on two free cores (they run in parallel; SQLite lets "
+                  f"thread {writer:,.0f}: on two free cores (they run in parallel; the driver lets "
                   f"go of the GIL) about {min(caller, writer):,.0f} events/s")
     return 0
 
