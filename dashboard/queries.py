@@ -24,7 +24,14 @@ import pandas as pd
 from sqlalchemy import Engine, Integer, String, and_, case, cast, func, select
 
 from kvplane.results import request_stmt
-from kvplane.store import by_type, events_table, has_block_counts, runs_table
+from kvplane.store import (
+    by_type,
+    events_table,
+    has_block_counts,
+    has_packed_lists,
+    merge_lists,
+    runs_table,
+)
 
 E = events_table
 R = runs_table
@@ -264,10 +271,23 @@ def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.D
         return pd.DataFrame(columns=["seq", "time", "type", "request", "instance", "payload"])
     # Sorted here, not by ORDER BY seq: that would steer SQLite to the (run, seq) key and a
     # scan of the whole run instead of the (run, request) index.
+    lists = [E.c.lists] if has_packed_lists(engine) else []  # block lists packed apart
     df = _fetch(engine, select(E.c.seq, E.c.time, E.c.type, E.c.request, E.c.instance,
-                               E.c.payload)
+                               E.c.payload, *lists)
                 .where(E.c.run == run_id, E.c.request.in_(list(requests))))
+    if lists:
+        df["payload"] = [_with_lists(p, b) for p, b in zip(df["payload"], df.pop("lists"),
+                                                           strict=True)]
     return df.sort_values("seq", kind="stable").reset_index(drop=True)
+
+
+def _with_lists(payload: Any, lists: bytes | None) -> Any:
+    """A stored payload with its packed block lists put back (the event's whole payload)."""
+    if lists is None:
+        return payload
+    whole = merge_lists(json.loads(payload) if isinstance(payload, str) else dict(payload),
+                        lists)
+    return json.dumps(whole) if isinstance(payload, str) else whole
 
 
 def finished_requests(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:

@@ -52,7 +52,8 @@ def upgrade(db: DbOpt = None) -> None:
     """Migrate the event store to this kvplane's schema revision (creating it if missing).
 
     Reading commands and the dashboard read an older store as it is, correctly but slower
-    (revision 0002 adds block counts beside the events and a covering index); every writing
+    (revision 0002 adds block counts beside the events and a covering index; 0003 packs new
+    events' block lists apart from their JSON, leaving stored rows as they are); every writing
     command migrates it anyway. This does only that, once, and says what it did."""
     import time
 

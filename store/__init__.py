@@ -9,7 +9,14 @@ Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_t
 
 from __future__ import annotations
 
-from .encoding import EncodedEvent, block_count, encode_batch, encode_event
+from .encoding import (
+    EncodedEvent,
+    block_count,
+    encode_batch,
+    encode_event,
+    merge_lists,
+    payload_of,
+)
 from .engine import DEFAULT_URL, ENV_VAR, make_engine, resolve_url
 from .errors import (
     EventRefused,
@@ -31,6 +38,7 @@ from .migrate import (
     by_type,
     current_revision,
     has_block_counts,
+    has_packed_lists,
     head_revision,
     model_drift,
     upgrade,
@@ -72,11 +80,14 @@ __all__ = [
     "encode_event",
     "events_table",
     "has_block_counts",
+    "has_packed_lists",
     "head_revision",
     "make_engine",
+    "merge_lists",
     "metadata",
     "model_drift",
     "open_store",
+    "payload_of",
     "resolve_url",
     "runs_table",
     "upgrade",

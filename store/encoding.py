@@ -7,24 +7,33 @@ Rules kept here:
 - On top of the core's rules the store refuses what the two backends cannot hold alike:
   non-finite numbers (JSON has no NaN or infinity; SQLite turns a NaN time into NULL) and the
   NUL character (PostgreSQL text cannot hold it, nor its JSON operators unescape it).
+- A row (`EncodedEvent`) holds the event's common fields as columns, its block count, the
+  payload as JSON text and, since revision 0003, its block-id lists apart in `lists`
+  (`pack_lists`): the payload JSON then lacks those fields. `lists` is None when the lists
+  are in the JSON (an event that took the slow way, a store written before 0003), so a reader
+  merges the two (`payload_of`, `merge_lists`) and gets the core's payload either way.
 
 How it stays cheap: `validate` rebuilds the whole event through generic annotation walking,
 about 50 us for a TransferPlanned with two 16-block lists. Here each event type gets an
 encoder generated once from the same dataclass annotations: it tests every field of the event
 with exact types only (`type(v) is int`), so that it accepts strictly less than the core does,
-and builds the payload `encode` would build. When it says no, or meets an annotation it does
-not know, the event goes the slow way: the core's `encode` and `validate`, which either raise
-the real `SchemaError` or accept (a subclass of int, say), and then the store's own two rules.
-So the fast path can only ever say "yes" where the core says yes too; `tests/store` checks
-the two agree on random and broken events.
+and builds the row in one expression (the payload's JSON in one f-string). When it says no, or
+meets an annotation it does not know, the event goes the slow way: the core's `encode` and
+`validate`, which either raise the real `SchemaError` or accept (a subclass of int, say), and
+then the store's own two rules. So the fast path can only ever say "yes" where the core says
+yes too; `tests/store` checks the two agree on random and broken events.
 
 Block-id lists are most of a recording's bytes and work (a 16k-token prompt is a list of 1,024
 ids, and the same list is in about six events of its request: reserved, registration sent
 and arrived, prefill finished, transfer planned, freed). The core hands the same tuple object
-from event to event, so each list is checked and turned into JSON once, then reused by
-identity (a small cache that holds the tuple itself, so an id is never mistaken), and the
-payload's JSON text is made here, once (`payload_json`), with the lists spliced in. The
-stored JSON is the same as before, so old stores, SQL on payloads and readers are unchanged.
+from event to event, so each list is checked and packed once, then reused by identity (a small
+cache that holds the tuple itself, so an id is never mistaken). Packed, an ascending list of
+near neighbours (the common case) is its first id and a byte per id, the difference from the
+one before (two bytes where it may be negative or over 255), made in one C-level pass and
+folded by zlib when long; consecutive ids are one run; any other list is its runs or its ids
+(`pack_lists` has the format). A 1,024-id list of consecutive ids is 13 bytes instead of
+about 5 KB of JSON. A list that fits none of these (ids far outside int32) takes the slow
+way: into the JSON.
 """
 
 from __future__ import annotations
@@ -32,10 +41,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
+import sys
 import types
 import typing
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, NotRequired, TypedDict, Union
+import zlib
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate, islice
+from operator import sub
+from typing import Any, Literal, NamedTuple, TypeVar, Union
 
 from ._core import EVENT_TYPES, Event, SchemaError, encode, validate
 from .errors import EventRefused
@@ -43,19 +58,21 @@ from .errors import EventRefused
 _COMMON = ("at", "instance", "request")
 
 
-class EncodedEvent(TypedDict):
-    """One event as a row of the `events` table, less `run` and `seq` (given on append)."""
+class EncodedEvent(NamedTuple):
+    """One event as a row of the `events` table, less `run` and `seq` (given on append);
+    the fields in the order of the table's columns."""
 
     time: float
     type: str
     request: str | None
     instance: str
-    payload: dict[str, Any]
     blocks: int | None  # `block_count(event)`, stored beside the event
-    payload_json: NotRequired[str]  # `payload` as JSON text, when made on the fast path
+    payload: str  # JSON text of the core's payload, less the lists held in `lists`
+    lists: bytes | None  # the event's block-id lists (`pack_lists`); None: all in `payload`
 
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_new_row = tuple.__new__
 
 
 def encode_event(event: Event, index: int | None = None) -> EncodedEvent:
@@ -64,32 +81,29 @@ def encode_event(event: Event, index: int | None = None) -> EncodedEvent:
     if fast is None:
         fast = _by_class(type(event))
     try:
-        done = fast(event)
+        row = fast(event)
     except Exception:  # noqa: BLE001 - an odd value (unhashable, say): the core judges it
-        done = None
-    if done is not None:
-        payload, text = done
-        name = fast.__name__
-    else:
-        name = type(event).__name__
-        try:
-            name, payload = encode(event)
-            validate(event)
-        except SchemaError as exc:
-            raise EventRefused(index, name, str(exc)) from None
-        problem = _unstorable(event, payload)
-        if problem is not None:
-            raise EventRefused(index, name, problem)
-        text = _dumps(payload)
-    return {
-        "time": event.at,
-        "type": name,
-        "request": event.request,
-        "instance": event.instance,
-        "payload": payload,
-        "blocks": block_count(event),
-        "payload_json": text,
-    }
+        row = None
+    return row if row is not None else _encode_slowly(event, index)
+
+
+def _encode_slowly(event: Event, index: int | None) -> EncodedEvent:
+    name = type(event).__name__
+    try:
+        name, payload = encode(event)
+        validate(event)
+    except SchemaError as exc:
+        raise EventRefused(index, name, str(exc)) from None
+    problem = _unstorable(event, payload)
+    if problem is not None:
+        raise EventRefused(index, name, problem)
+    return EncodedEvent(event.at, name, event.request, event.instance, block_count(event),
+                        _dumps(payload), None)
+
+
+def encode_batch(events: Sequence[Event]) -> list[EncodedEvent]:
+    """Every event of a batch as rows, or `EventRefused` for the first unfit one."""
+    return [encode_event(event, index) for index, event in enumerate(events)]
 
 
 def block_count(event: Event) -> int | None:
@@ -98,13 +112,17 @@ def block_count(event: Event) -> int | None:
 
     Stored beside the event (`events.blocks`), so readers count blocks in SQL without parsing
     payloads. The one place that knows how an event holds its blocks."""
-    cls = type(event)
+    field = _block_field(type(event))
+    return None if field is None else len(getattr(event, field))
+
+
+def _block_field(cls: type) -> str | None:
     field = _BLOCK_FIELD.get(cls, _UNKNOWN)
     if field is _UNKNOWN:
         names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else ()
         field = next((n for n in _BLOCK_FIELDS if n in names), None)
         _BLOCK_FIELD[cls] = field
-    return None if field is None else len(getattr(event, field))
+    return field
 
 
 _BLOCK_FIELDS = ("blocks", "dst_blocks", "src_blocks")
@@ -112,26 +130,195 @@ _UNKNOWN = "?"
 _BLOCK_FIELD: dict[type, str | None] = {}
 
 
-def encode_batch(events: Sequence[Event]) -> list[EncodedEvent]:
-    """Every event of a batch as rows, or `EventRefused` for the first unfit one."""
-    return [encode_event(event, index) for index, event in enumerate(events)]
+# --- the payload as readers see it ---------------------------------------------------------
 
 
-# --- block-id lists and hash chains, once per tuple ----------------------------------------
+def payload_of(row: EncodedEvent) -> dict[str, Any]:
+    """The core's payload of a row (`encode(event)[1]`): its JSON with its lists put back."""
+    payload: dict[str, Any] = json.loads(row.payload)
+    return payload if row.lists is None else merge_lists(payload, row.lists)
+
+
+def merge_lists(payload: dict[str, Any], lists: bytes) -> dict[str, Any]:
+    """`payload` (a stored payload's parsed JSON) with the block-id lists of `lists` added;
+    `ValueError` if `lists` is damaged or names a field the JSON holds too."""
+    for name, ids in unpack_lists(lists).items():
+        if name in payload:
+            raise ValueError(f"field {name!r} is stored twice (in the payload and its lists)")
+        payload[name] = ids
+    return payload
+
+
+# --- block-id lists, packed ----------------------------------------------------------------
+#
+# A packed `lists` value: the byte 0x01 (the format), the field names joined by ",", ":",
+# then one piece per field in that order. A piece is a kind byte, the length of its body
+# (uint32) and the body; kind 0x80 set: the body is zlib-compressed (level 1), the kind is
+# then that of the body inflated. Bodies, all little-endian:
+#   kind 0: the empty list (no body);
+#   kind 1: the ids as int32;
+#   kind 2: runs of consecutive ids, (start, length) int32 pairs, in the list's order;
+#   kind 3: the first id as int32, then the difference of each id from the one before as a
+#           byte (0-255): an ascending list of near neighbours, the common case;
+#   kind 4: the same with the differences as int16: near neighbours in any order.
+# The kinds are tried in the order 3, 4, 2, 1, one C-level pass making the deltas; consecutive
+# ids become one run (a 1,024-id list is 13 bytes, not about 5 KB of JSON), and zlib folds the
+# repeats of a long list of deltas (a fragmented decode pool's 1,024 ids: about 500 bytes).
+
+_FORMAT = b"\x01"
+_BIG_ENDIAN = sys.byteorder == "big"
+_HEAD = struct.Struct("<BI")
+_FIRST = struct.Struct("<i")
+_ZIP = 0x80
+_ZIP_OVER = 512  # longer bodies are offered to zlib (its set-up costs more than it saves below)
+assert array("i").itemsize == 4, "int32 arrays are what the packed format holds"
+
+
+def pack_lists(lists: Iterable[tuple[str, Sequence[int]]]) -> bytes:
+    """Named lists of ints (each within int32) as one `lists` value; `OverflowError` if an
+    id does not fit. What the generated encoders write, piece by piece."""
+    names, pieces = [], []
+    for name, ids in lists:
+        piece = _pack_ints(tuple(ids))
+        if piece is None:
+            raise OverflowError(f"{name}: an id outside int32")
+        names.append(name)
+        pieces.append(piece)
+    return _prefix(names) + b"".join(pieces)
+
+
+def unpack_lists(data: bytes) -> dict[str, list[int]]:
+    """The named lists of a `lists` value; `ValueError` saying how it is damaged."""
+    data = bytes(data)  # PostgreSQL hands back a memoryview
+    colon = data.find(b":")
+    if data[:1] != _FORMAT or colon < 0:
+        raise ValueError("its block lists are in an unknown format")
+    out: dict[str, list[int]] = {}
+    pos, end = colon + 1, len(data)
+    for name in data[1:colon].decode("ascii", "replace").split(","):
+        if pos + _HEAD.size > end:
+            raise ValueError(f"its block lists end before {name!r}")
+        kind, size = _HEAD.unpack_from(data, pos)
+        pos += _HEAD.size + size
+        if pos > end:
+            raise ValueError(f"its block list {name!r} is cut short")
+        body = data[pos - size:pos]
+        try:
+            if kind & _ZIP:
+                kind, body = kind & ~_ZIP, zlib.decompress(body)
+            out[name] = _unpack_body(kind, body)
+        except (ValueError, zlib.error) as exc:
+            raise ValueError(f"its block list {name!r} is damaged ({exc})") from None
+    if pos != end:
+        raise ValueError("its block lists have bytes left over")
+    return out
+
+
+def _unpack_body(kind: int, body: bytes) -> list[int]:
+    if kind == 0 and not body:
+        return []
+    if kind == 3 and len(body) >= 4:
+        return list(accumulate(body[4:], initial=_FIRST.unpack_from(body)[0]))
+    if kind == 4 and len(body) >= 4 and len(body) % 2 == 0:
+        steps = array("h")
+        steps.frombytes(body[4:])
+        if _BIG_ENDIAN:
+            steps.byteswap()
+        return list(accumulate(steps, initial=_FIRST.unpack_from(body)[0]))
+    if kind in (1, 2) and len(body) % 4 == 0:
+        values = array("i")
+        values.frombytes(body)
+        if _BIG_ENDIAN:
+            values.byteswap()
+        if kind == 1:
+            return values.tolist()
+        if len(values) % 2 == 0:
+            ids: list[int] = []
+            for start, length in zip(values[::2], values[1::2], strict=True):
+                if length < 1:
+                    raise ValueError(f"a run of length {length}")
+                ids.extend(range(start, start + length))
+            return ids
+    raise ValueError(f"kind {kind} with a body of {len(body)} bytes")
+
+
+def _prefix(names: Sequence[str]) -> bytes:
+    return _FORMAT + ",".join(names).encode("ascii") + b":"
+
+
+def _pack_ints(ids: tuple[int, ...]) -> bytes | None:
+    """One list's piece (exact ints); None if an id is outside int32."""
+    if not ids:
+        return _HEAD.pack(0, 0)
+    try:  # near neighbours: the deltas as bytes (ascending) or int16s, made in C
+        first = _FIRST.pack(ids[0])
+        try:
+            deltas = bytes(map(sub, islice(ids, 1, None), ids))
+            if len(deltas) > 4 and deltas.count(1) == len(deltas):  # consecutive: one run
+                return _HEAD.pack(2, 8) + _int32s((ids[0], len(ids)))
+            body, kind = first + deltas, 3
+        except ValueError:
+            steps = array("h", map(sub, islice(ids, 1, None), ids))
+            if _BIG_ENDIAN:
+                steps.byteswap()
+            body, kind = first + steps.tobytes(), 4
+    except (OverflowError, struct.error):
+        runs = _runs(ids)
+        try:
+            if len(runs) < len(ids):
+                body, kind = _int32s(runs), 2
+            else:
+                body, kind = _int32s(ids), 1
+        except OverflowError:
+            return None
+    if len(body) > _ZIP_OVER:
+        folded = zlib.compress(body, 1)
+        if len(folded) < len(body):
+            body, kind = folded, kind | _ZIP
+    return _HEAD.pack(kind, len(body)) + body
+
+
+def _runs(ids: tuple[int, ...]) -> list[int]:
+    """The (start, length) runs of consecutive ids, flat; stops early once they would be
+    longer than the ids themselves."""
+    n = len(ids)
+    data: list[int] = []
+    add = data.append
+    start = prev = ids[0]
+    for v in islice(ids, 1, None):
+        if v != prev + 1:
+            add(start)
+            add(prev - start + 1)
+            if len(data) >= n:
+                return data
+            start = v
+        prev = v
+    add(start)
+    add(prev - start + 1)
+    return data
+
+
+def _int32s(values: Sequence[int]) -> bytes:
+    packed = array("i", values)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
 
 _LIST_CACHE_SIZE = 1024  # lists of the requests in flight; the oldest is forgotten first
-_INTS_JSON: dict[int, tuple[tuple[Any, ...], str]] = {}  # id(tuple) -> (tuple, JSON text)
+_INTS_PIECE: dict[int, tuple[tuple[Any, ...], bytes]] = {}  # id(tuple) -> (tuple, piece)
 _STRS_JSON: dict[int, tuple[tuple[Any, ...], str]] = {}
 
 
-def _ints_json(value: Any) -> str | None:
-    """The JSON array of a tuple of exact ints, or None if `value` is not one."""
-    hit = _INTS_JSON.get(id(value))
+def _ints_piece(value: Any) -> bytes | None:
+    """The packed piece of a tuple of exact ints within int32, or None if `value` is not one."""
+    hit = _INTS_PIECE.get(id(value))
     if hit is not None and hit[0] is value:
         return hit[1]
     if type(value) is not tuple or not set(map(type, value)) <= _INT_SET:
         return None
-    return _remember(_INTS_JSON, value, "[" + ",".join(map(str, value)) + "]")
+    piece = _pack_ints(value)
+    return None if piece is None else _remember(_INTS_PIECE, value, piece)
 
 
 def _strs_json(value: Any) -> str | None:
@@ -145,25 +332,27 @@ def _strs_json(value: Any) -> str | None:
     return _remember(_STRS_JSON, value, _dumps(list(value)))
 
 
-def _remember(cache: dict[int, tuple[tuple[Any, ...], str]], value: tuple[Any, ...],
-              text: str) -> str:
+_Packed = TypeVar("_Packed", str, bytes)
+
+
+def _remember(cache: dict[int, tuple[tuple[Any, ...], _Packed]], value: tuple[Any, ...],
+              packed: _Packed) -> _Packed:
     if len(cache) >= _LIST_CACHE_SIZE:
         try:  # another recording thread may evict at the same moment: either one will do
             cache.pop(next(iter(cache)), None)
         except (RuntimeError, StopIteration):
             pass
-    cache[id(value)] = (value, text)  # holding the tuple keeps its id from being reused
-    return text
+    cache[id(value)] = (value, packed)  # holding the tuple keeps its id from being reused
+    return packed
 
 
 _INT_SET = {int}
 _STR_SET = {str}
-_TUPLE_JSON = {tuple[int, ...]: "_ints_json", tuple[str, ...]: "_strs_json"}
 
 
 # --- compiled encoders ---------------------------------------------------------------------
 
-FastEncoder = Callable[[Event], "tuple[dict[str, Any], str] | None"]
+FastEncoder = Callable[[Event], "EncodedEvent | None"]
 
 _ENCODERS: dict[str, FastEncoder | None] = {}
 
@@ -176,7 +365,7 @@ def _slow(event: Event) -> None:
 
 
 def _by_class(cls: type) -> FastEncoder:
-    """The fast encoder of an event class (named after its type), `_slow` for anything else."""
+    """The fast encoder of an event class, `_slow` for anything else."""
     name = cls.__name__
     fast = _encoder(name) if EVENT_TYPES.get(name) is cls else None
     _BY_CLASS[cls] = fast or _slow
@@ -191,27 +380,34 @@ def _encoder(name: str) -> FastEncoder | None:
 
 def _compile_event(cls: type[Event]) -> FastEncoder | None:
     """One function per event type: a straight line of field tests on the event itself, then
-    its payload (what `encode` makes) and that payload's JSON text; None for "ask the core".
+    its row (the payload `encode` makes, as JSON text, less the int lists, which are packed);
+    None for "ask the core".
 
     Generated rather than a loop over per-field closures because it runs for every event
     recorded, and inlining the tests halves its cost (the way `dataclasses` writes `__init__`).
     """
     hints = typing.get_type_hints(cls)
     payload_fields = [f.name for f in dataclasses.fields(cls) if f.name not in _COMMON]
-    constants: dict[str, Any] = {"_isfinite": math.isfinite, "_INT": {int}, "_STR": {str},
-                                 "_NUM": {int, float}, "_ints_json": _ints_json,
+    constants: dict[str, Any] = {"_isfinite": math.isfinite, "_ints_piece": _ints_piece,
                                  "_strs_json": _strs_json, "_dumps": _dumps,
-                                 "_jstr": _json_str}  # fmt: skip
+                                 "_jstr": _json_str, "_new": _new_row, "_Row": EncodedEvent}
     lines = ["def encode(event):"]
-    scalars, lists = [], []
+    variables: dict[str, str] = {}
+    scalars, strs, ints = [], [], []
     for index, (name, hint) in enumerate(hints.items()):
-        var = f"v{index}"
+        var = variables[name] = f"v{index}"
         lines.append(f"    {var} = event.{name}")
-        if hint in _TUPLE_JSON:  # checked and turned into JSON once per tuple
-            lines.append(f"    t{index} = {_TUPLE_JSON[hint]}({var})")
+        if hint == tuple[int, ...]:  # checked and packed once per tuple
+            lines.append(f"    p{index} = _ints_piece({var})")
+            lines.append(f"    if p{index} is None:")
+            lines.append("        return None")
+            ints.append((name, f"p{index}"))
+            continue
+        if hint == tuple[str, ...]:  # checked and turned into JSON once per tuple
+            lines.append(f"    t{index} = _strs_json({var})")
             lines.append(f"    if t{index} is None:")
             lines.append("        return None")
-            lists.append((name, var, f"t{index}"))
+            strs.append((name, f"t{index}"))
             continue
         expr = _expr(hint, var, constants)
         if expr is None or typing.get_origin(hint) is tuple:
@@ -220,21 +416,26 @@ def _compile_event(cls: type[Event]) -> FastEncoder | None:
         lines.append("        return None")
         if name in payload_fields:
             scalars.append((name, var))
-    if {n for n, _ in scalars} | {n for n, _, _ in lists} != set(payload_fields):
+    if {n for n, _ in scalars + strs + ints} != set(payload_fields):
         return None
-    by_name = {n: f"list({v})" for n, v, _ in lists} | {n: v for n, v in scalars}
-    lines.append("    payload = {" + ", ".join(f"{n!r}: {by_name[n]}" for n in payload_fields)
-                 + "}")
     # the JSON text as one expression: each value's JSON by its (already checked) type
-    texts = {n: t for n, _, t in lists}
-    texts |= {n: _json_expr(hints[n], v) for n, v in scalars}
-    body = ",".join(f'"{n}":{{{texts[n]}}}' for n in payload_fields)
-    lines.append(f"    return payload, f'''{{{{{body}}}}}'''")
+    texts = dict(strs) | {n: _json_expr(hints[n], v) for n, v in scalars}
+    body = ",".join(f'"{n}":{{{texts[n]}}}' for n in payload_fields if n in texts)
+    if ints:
+        constants["_P"] = _prefix([n for n, _ in ints])
+        lists = " + ".join(["_P", *(p for _, p in ints)])
+    else:
+        lists = "None"
+    field = _block_field(cls)
+    count = f"len({variables[field]})" if field is not None else "None"
+    lines.append(f"    return _new(_Row, ({variables['at']}, {cls.__name__!r}, "
+                 f"{variables['request']}, {variables['instance']}, {count}, "
+                 f"f'''{{{{{body}}}}}''', {lists}))")
     source = "\n".join(lines) + "\n"
     namespace: dict[str, Any] = dict(constants)
     exec(compile(source, f"<kvplane.store encode {cls.__name__}>", "exec"), namespace)  # noqa: S102
     fast = namespace["encode"]
-    fast.__name__ = cls.__name__  # the row's type, read back by `encode_event`
+    fast.__name__ = cls.__name__
     return typing.cast(FastEncoder, fast)
 
 

@@ -51,6 +51,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    null,
     select,
     type_coerce,
     update,
@@ -60,7 +61,7 @@ from sqlalchemy.engine import URL
 from ._core import EVENT_TYPES, SCHEMA_VERSION, Event, SchemaError, decode
 from .bulk import bulk_insert
 from .diagnose import check_schema, reading, require_file
-from .encoding import EncodedEvent, encode_batch
+from .encoding import EncodedEvent, encode_batch, merge_lists
 from .engine import WRITE_LOCK, make_engine, resolve_url, sqlite_file
 from .errors import (
     RunNotFound,
@@ -71,7 +72,14 @@ from .errors import (
     StoreReadOnly,
     StoreUnreadable,
 )
-from .migrate import head_revision, known_revisions, revision_of, upgrade, upgrade_note
+from .migrate import (
+    has_packed_lists,
+    head_revision,
+    known_revisions,
+    revision_of,
+    upgrade,
+    upgrade_note,
+)
 from .schema import RUN_KINDS, RunKind, events_table, runs_table
 
 _STREAM_CHUNK: Final = 2000
@@ -237,6 +245,8 @@ class EventStore:
         stream lazily. Reading the whole run (no filter), seqs missing between two events are
         a `SequenceGap`: raised where it is met, or, given `on_gap`, handed to it and read on.
         """
+        # lists packed apart (revision 0003 on; a NULL where the payload holds them)
+        lists = events_table.c.lists if has_packed_lists(self._engine) else null()
         stmt = self._filtered(
             select(
                 events_table.c.seq,
@@ -246,6 +256,7 @@ class EventStore:
                 events_table.c.instance,
                 # as text: a payload that is not JSON is reported by us, naming the event
                 type_coerce(events_table.c.payload, Text),
+                lists,
             ),
             run_id,
             types,
@@ -298,14 +309,14 @@ class EventStore:
         expected = 0
         with self._reading(), self._engine.connect() as conn:
             result = conn.execution_options(yield_per=_STREAM_CHUNK).execute(stmt)
-            for seq, time, type_name, request, instance, raw in result:
+            for seq, time, type_name, request, instance, raw, lists in result:
                 if whole and seq != expected:
                     gap = SequenceGap(run_id, expected, seq - 1)
                     if on_gap is None:
                         raise gap
                     on_gap(gap)
                 expected = seq + 1
-                yield _decode_row(run_id, seq, time, type_name, request, instance, raw)
+                yield _decode_row(run_id, seq, time, type_name, request, instance, raw, lists)
 
     @staticmethod
     def _filtered(
@@ -383,13 +394,20 @@ def _runs_select() -> Select[Any]:
 
 def _decode_row(
     run_id: str, seq: int, time: float, type_name: str, request: str | None, instance: str,
-    raw: Any,
+    raw: Any, lists: bytes | None,
 ) -> Event:  # fmt: skip
     try:
         payload = json.loads(raw) if isinstance(raw, str) else raw
     except ValueError as exc:
         reason = f"its payload is not JSON ({exc})"
         raise StoredEventUnreadable(run_id, seq, type_name, reason) from exc
+    if lists is not None:
+        if not isinstance(payload, dict):
+            raise StoredEventUnreadable(run_id, seq, type_name, "payload must be an object")
+        try:
+            payload = merge_lists(payload, lists)
+        except ValueError as exc:
+            raise StoredEventUnreadable(run_id, seq, type_name, str(exc)) from exc
     try:
         return decode(type_name, payload, at=time, instance=instance, request=request)
     except SchemaError as exc:

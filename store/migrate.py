@@ -13,9 +13,9 @@ Rules kept here:
   `check_revision` (the read-only open) does the same.
 - An older revision opened read-only is read as it is (a read-only open never writes, so it
   cannot migrate): every read works on every revision here, only slower on one that lacks what
-  a later revision added (0002: stored block counts and the covering index). `upgrade_note`
-  says so and how to migrate (`kvplane upgrade`); `has_block_counts` tells readers which SQL
-  to use.
+  a later revision added (0002: stored block counts and the covering index; 0003: packed
+  block lists, which only new rows use). `upgrade_note` says so and how to migrate (`kvplane
+  upgrade`); `has_block_counts` and `has_packed_lists` tell readers which SQL to use.
 - A new revision is written by hand next to `0001_initial.py` (`revision`, `down_revision`,
   `upgrade()`), together with the model change in `schema.py`; `model_drift(engine)` lists any
   difference between a migrated database and the models, and a test insists it is empty.
@@ -118,11 +118,21 @@ def _sqlite_from_hint(self: SQLiteCompiler, table: Any, hint: str | None) -> str
 SQLiteCompiler.get_from_hint_text = _sqlite_from_hint  # type: ignore[method-assign,assignment]
 
 
-@functools.lru_cache(maxsize=32)
+def has_packed_lists(engine: Engine) -> bool:
+    """Whether the events table has the `lists` column (revision 0003 on): a reader must
+    then read it beside the payload (`encoding.merge_lists`)."""
+    return "lists" in _event_columns(engine)
+
+
 def _has_block_counts(engine: Engine) -> bool:
-    # Asked once per engine: a store is only ever migrated forwards, so a stale False only
+    return "blocks" in _event_columns(engine)
+
+
+@functools.lru_cache(maxsize=32)
+def _event_columns(engine: Engine) -> frozenset[str]:
+    # Asked once per engine: a store is only ever migrated forwards, so a stale answer only
     # means the slower (still correct) SQL until the reader opens it again.
-    return "blocks" in {c["name"] for c in inspect(engine).get_columns("events")}
+    return frozenset(c["name"] for c in inspect(engine).get_columns("events"))
 
 
 def upgrade(engine: Engine, to: str = "head") -> None:
@@ -147,7 +157,7 @@ def _migrate(engine: Engine, plan: Any) -> None:
             )
         check_revision(revision_of(connection))
         _run_steps(config, script, connection, plan)
-    _has_block_counts.cache_clear()
+    _event_columns.cache_clear()
 
 
 def _run_steps(config: Config, script: ScriptDirectory, connection: Connection,

@@ -23,8 +23,9 @@ import atexit
 import threading
 import time
 from collections import deque
+from itertools import repeat
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import Protocol, Self, cast, runtime_checkable
 
 from ._core import Event, validate
 from .encoding import EncodedEvent, encode_event
@@ -84,6 +85,9 @@ class ListRecorder:
         return len(self.events)
 
 
+_popleft = deque.popleft
+
+
 class _FlushMark:
     """Put on the queue by `flush()`; set once the writer has written all that came before."""
 
@@ -122,6 +126,7 @@ class BatchingRecorder:
         self._marks = 0  # flush marks in the queue: the writer must write up to them
         self._marks_lock = threading.Lock()
         self.written = 0
+        self.writer_cpu_s = 0.0  # CPU seconds the writer thread spent, once it has stopped
         self._thread = threading.Thread(
             target=self._run, name=f"kvplane-recorder-{run_id[:8]}", daemon=True
         )
@@ -215,19 +220,23 @@ class BatchingRecorder:
             for item in list(self._queue):
                 if isinstance(item, _FlushMark):
                     item.done.set()
+        finally:
+            self.writer_cpu_s = time.thread_time()
 
     def _drain(self, *, everything: bool) -> bool:
         """Write what is due; True if anything was written."""
         queue, wrote = self._queue, False
         while queue and (everything or self._marks or len(queue) >= self.batch_size):
-            batch: list[EncodedEvent] = []
+            # popped in C (no Python step per row); only the writer pops, from the left
+            items = list(map(_popleft, repeat(queue, min(len(queue), self.batch_size))))
             mark: _FlushMark | None = None
-            while queue and len(batch) < self.batch_size:
-                item = queue.popleft()
-                if isinstance(item, _FlushMark):
-                    mark = item
-                    break
-                batch.append(item)
+            if self._marks:  # a flush is waiting: write up to its mark, put the rest back
+                at = next((i for i, x in enumerate(items) if type(x) is _FlushMark), None)
+                if at is not None:
+                    mark = cast(_FlushMark, items[at])
+                    queue.extendleft(reversed(items[at + 1:]))
+                    del items[at:]
+            batch = cast(list[EncodedEvent], items)
             if batch:
                 self._in_flight = len(batch)
                 self.store.append_encoded(self.run_id, batch)

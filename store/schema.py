@@ -10,6 +10,10 @@ Rules kept here:
   event is the `payload` JSON exactly as `kvplane.core.events.encode` produced it. `blocks` is
   how many KV blocks the event names (`encoding.block_count`, NULL for none), written with it,
   so counting blocks needs no JSON either (revision 0002; a store not yet migrated lacks it).
+  `lists` holds the event's block-id lists packed (`encoding.pack_lists`), and the payload
+  then lacks those fields; NULL when the payload holds them (revision 0003: a smaller, faster
+  write; rows written before it keep their lists in the payload). Readers put the two back
+  together (`encoding.merge_lists`); `blocks` tells how many without reading either.
 - The migrations in `migrations/versions` create exactly these tables; a test compares them.
   Change a model only together with a new migration.
 
@@ -31,6 +35,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -103,6 +108,7 @@ class EventRow(Base):
     instance: Mapped[str] = mapped_column(Text)
     blocks: Mapped[int | None] = mapped_column(Integer)
     payload: Mapped[dict[str, Any]] = mapped_column(json_type())
+    lists: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 metadata: Final[MetaData] = Base.metadata

@@ -121,9 +121,10 @@ def test_a_page_of_requests_reads_only_that_page(see_store, monkeypatch):
         with store.engine.begin() as conn:
             conn.execute(text(
                 "WITH RECURSIVE k(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM k WHERE n < 99) "
-                "INSERT INTO events (run, seq, time, type, request, instance, payload) "
-                "SELECT :big, k.n * :n + seq, time + k.n * 1000.0, type, "
-                "request || '#' || k.n, instance, payload FROM events, k WHERE run = :src"),
+                "INSERT INTO events (run, seq, time, type, request, instance, blocks, "
+                "payload, lists) SELECT :big, k.n * :n + seq, time + k.n * 1000.0, type, "
+                "request || '#' || k.n, instance, blocks, payload, lists FROM events, k "
+                "WHERE run = :src"),
                 {"big": big, "n": n, "src": src})
         assert store.count(big) == 100 * n
         index = q.request_index(store.engine, big)
@@ -133,6 +134,11 @@ def test_a_page_of_requests_reads_only_that_page(see_store, monkeypatch):
         events = q.request_events(store.engine, big, page)
     assert sorted(table["request"]) == sorted(page)
     assert set(events["request"]) == set(page) and events["seq"].is_monotonic_increasing
+    # every event's whole payload, its packed block lists put back
+    assert all(v is not None for v in events["payload"])
+    with_blocks = events[events["type"] == "BlocksReserved"]
+    assert len(with_blocks) and all(isinstance(p["blocks"], list) and p["blocks"]
+                                    for p in with_blocks["payload"])
     monkeypatch.setenv("KVPLANE_DB", see_store.url)
     at = AppTest.from_file(str(APP), default_timeout=120)
     at.query_params["page"] = "timeline"

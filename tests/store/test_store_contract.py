@@ -8,7 +8,7 @@ import threading
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import func, inspect, select
+from sqlalchemy import Text, cast, func, inspect, select
 from store_samples import every_type_samples, sample_event
 
 from kvplane.core.errors import SchemaError
@@ -28,6 +28,7 @@ from kvplane.store import (
     current_revision,
     events_table,
     has_block_counts,
+    has_packed_lists,
     head_revision,
     model_drift,
     open_store,
@@ -329,6 +330,41 @@ def test_an_old_store_is_read_as_it_is_then_upgraded_with_its_counts(store_url: 
         assert has_block_counts(new.engine) and model_drift(new.engine) == []
         assert stored_block_counts(new, run) == [block_count(e) for e in samples]
         assert list(new.events(run)) == samples
+
+
+def packed_and_json(store: EventStore, run_id: str) -> tuple[int, int]:
+    """How many of the run's rows have packed lists, and how many hold them in the JSON."""
+    e = events_table
+    with store.engine.connect() as conn:
+        rows = conn.execute(select(e.c.lists, cast(e.c.payload, Text)).where(
+            e.c.run == run_id, e.c.blocks.is_not(None))).all()
+    packed = sum(1 for lists, _ in rows if lists is not None)
+    in_json = sum(1 for lists, text in rows
+                  if lists is None and ('_blocks"' in text or '"blocks"' in text))
+    return packed, in_json
+
+
+def test_a_store_before_0003_keeps_its_lists_in_the_json_and_reads_alike(store_url: str) -> None:
+    samples = every_type_samples(per_type=3)
+    big = BlocksReserved(at=9.0, instance="d0", request="r9", blocks=tuple(range(100, 1124)),
+                         purpose="prefill")
+    with open_store(store_url) as first:
+        run = first.create_run("sim", "old")
+        first.append(run, [*samples, big])
+        with_lists = sum(1 for e in [*samples, big] if block_count(e) is not None)
+        assert packed_and_json(first, run) == (with_lists, 0)
+        downgrade(first.engine, "0002")  # as a kvplane before revision 0003 left it
+    with open_store(store_url, read_only=True) as old:
+        assert old.revision == "0002" and not has_packed_lists(old.engine)
+        assert list(old.events(run)) == [*samples, big]  # read as it is, nothing written
+        assert stored_block_counts(old, run) == [block_count(e) for e in [*samples, big]]
+    with open_store(store_url) as new:  # the upgrade rewrites nothing: old rows keep the JSON
+        assert has_packed_lists(new.engine) and model_drift(new.engine) == []
+        assert packed_and_json(new, run) == (0, with_lists)
+        new.append(run, [big, *samples])  # new rows beside them are packed
+        assert packed_and_json(new, run) == (with_lists, with_lists)
+        assert list(new.events(run)) == [*samples, big, big, *samples]
+        assert list(new.events(run, BlocksReserved, request="r9")) == [big, big]
 
 
 def test_concurrent_first_opens_migrate_once(store_url: str) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 import typing
 from enum import StrEnum
+from itertools import accumulate
 from typing import Any
 
 import pytest
@@ -25,8 +27,8 @@ from kvplane.core.events import (
     encode,
     validate,
 )
-from kvplane.store import EventRefused, encode_batch, encode_event
-from kvplane.store.encoding import _encoder
+from kvplane.store import EventRefused, block_count, encode_batch, encode_event, payload_of
+from kvplane.store.encoding import _encoder, pack_lists, unpack_lists
 
 # Values of the wrong kind, for any field.
 _wrong = st.one_of(
@@ -55,7 +57,7 @@ def core_and_store_verdicts(event: Event) -> tuple[bool, bool]:
         core_ok = False
     try:
         row = encode_event(event)
-        assert json.loads(row["payload_json"]) == row["payload"]
+        assert payload_of(row) == encode(event)[1]
         store_ok = True
     except EventRefused:
         store_ok = False
@@ -69,10 +71,22 @@ def test_fast_check_accepts_every_well_formed_event(event: Event) -> None:
     fast = _encoder(name)
     assert fast is not None, f"{name} has an annotation the fast check does not know"
     row = encode_event(event, 0)
-    assert row["type"] == name and row["time"] == event.at
+    assert row.type == name and row.time == event.at and row.blocks == block_count(event)
+    assert payload_of(row) == encode(event)[1]  # the text and lists written are the payload
     done = fast(event)  # the fast path, not the slow fallback
-    assert done is not None and done[0] == row["payload"] == encode(event)[1]
-    assert json.loads(row["payload_json"]) == row["payload"]  # the text written is the payload
+    if any(_outside_int32(v) for v in _int_lists(event)):
+        assert done is None and row.lists is None  # such a list goes into the JSON
+    else:
+        assert done == row
+
+
+def _int_lists(event: Event) -> list[tuple[int, ...]]:
+    hints = typing.get_type_hints(type(event))
+    return [getattr(event, n) for n, h in hints.items() if h == tuple[int, ...]]
+
+
+def _outside_int32(ids: tuple[int, ...]) -> bool:
+    return any(not -(2**31) <= i < 2**31 for i in ids)
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,7 +119,7 @@ def test_subclass_values_take_the_slow_path_and_pass() -> None:
     event = RequestRouted(at=1, instance="router", request="r", mode=Mode.push,  # type: ignore[arg-type]
                           prefill="p", decode="d")  # fmt: skip
     row = encode_event(event)
-    assert row["payload"]["mode"] == "push" and row["time"] == 1
+    assert payload_of(row)["mode"] == "push" and row.time == 1
 
 
 def test_batch_refusal_names_index_and_type() -> None:
@@ -121,7 +135,7 @@ def test_batch_refusal_names_index_and_type() -> None:
 
 def test_payload_is_exactly_the_cores_encoding() -> None:
     for event in every_type_samples(3):
-        assert encode_event(event)["payload"] == encode(event)[1]
+        assert payload_of(encode_event(event)) == encode(event)[1]
         assert typing.get_type_hints(type(event))  # annotations resolvable
 
 
@@ -132,9 +146,79 @@ def test_a_block_list_shared_by_events_is_written_alike_and_checked_each_time() 
     freed = BlocksFreed(at=2.0, instance="p", request="r", blocks=blocks, reason="sent")
     rows = encode_batch([reserved, freed, reserved])
     for row in rows:
-        assert json.loads(row["payload_json"]) == row["payload"]
-        assert row["payload"]["blocks"] == list(blocks)
-    assert rows[0]["payload_json"] == rows[2]["payload_json"]
+        assert payload_of(row)["blocks"] == list(blocks)
+        assert "blocks" not in json.loads(row.payload)  # packed apart, not in the JSON
+    assert rows[0] == rows[2]
+    assert len(rows[0].lists or b"") < 40  # consecutive ids: a few bytes, not 300 ids
     # a list with a bad id among equal ones is still refused, though its neighbours were seen
     with pytest.raises(EventRefused):
         encode_event(dataclasses.replace(reserved, blocks=(*blocks[:-1], 1.5)))
+    with pytest.raises(EventRefused):
+        encode_event(dataclasses.replace(reserved, blocks=(*blocks[:-1], True)))
+
+
+_ids = st.integers(-(2**31), 2**31 - 1)
+_near = st.builds(  # ascending near neighbours, as pools hand them out
+    lambda first, steps: tuple(accumulate(steps, initial=first)),
+    st.integers(-(2**31), 2**31 - 300_000), st.lists(st.integers(0, 300), max_size=300))
+_runs = st.builds(  # runs of consecutive ids, in any order
+    lambda start, parts: tuple(i for a, n in parts for i in range(start + a, start + a + n)),
+    st.integers(-(2**31), 2**31 - 3000),
+    st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 30)), max_size=8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_ids, max_size=40).map(tuple) | _near | _runs, min_size=1, max_size=3))
+def test_packed_lists_give_back_every_list_exactly(lists: list[tuple[int, ...]]) -> None:
+    named = [(f"f{i}", ids) for i, ids in enumerate(lists)]
+    packed = pack_lists(named)
+    assert unpack_lists(packed) == {n: list(ids) for n, ids in named}
+    # never longer than the ids themselves as int32s (plus a head per list and the names)
+    assert len(packed) <= len(_prefix_of(named)) + sum(5 + 4 * len(ids) for ids in lists)
+
+
+def _prefix_of(named: list[tuple[str, tuple[int, ...]]]) -> bytes:
+    return b"\x01" + ",".join(n for n, _ in named).encode() + b":"
+
+
+def test_lists_as_pools_hand_them_out_are_small_and_keep_their_order() -> None:
+    prefix = len(b"\x01blocks:")
+    consecutive = tuple(range(7, 7 + 1024))
+    assert len(pack_lists([("blocks", consecutive)])) - prefix < 40  # not 4 KB
+    holes = tuple(i for i in range(3000) if i % 3)  # ascending, every third id taken
+    assert len(pack_lists([("blocks", holes)])) - prefix < 100
+    cached_then_new = (*range(90_000, 90_100), *range(10, 600))  # not ascending: two runs
+    assert len(pack_lists([("blocks", cached_then_new)])) - prefix == 5 + 16
+    for ids in (consecutive, holes, cached_then_new, (5, 4, 3, 9, 10, 11, 2), (), (3, 3)):
+        assert unpack_lists(pack_lists([("blocks", ids)])) == {"blocks": list(ids)}
+    with pytest.raises(OverflowError):
+        pack_lists([("blocks", (1, 2**31))])
+
+
+def _piece(kind: int, body: bytes) -> bytes:
+    return struct.pack("<BI", kind, len(body)) + body
+
+
+@pytest.mark.parametrize("damaged, why", [
+    (b"", "unknown format"),
+    (b"\x02blocks:" + _piece(0, b""), "unknown format"),
+    (b"\x01blocks:\x01\x00", "end before 'blocks'"),
+    (b"\x01blocks:" + _piece(1, bytes(8))[:-4], "'blocks' is cut short"),
+    (b"\x01blocks:" + _piece(2, struct.pack("<ii", 5, 0)), "a run of length 0"),
+    (b"\x01blocks:" + _piece(1, bytes(3)), "kind 1 with a body of 3 bytes"),
+    (b"\x01blocks:" + _piece(9, bytes(4)), "kind 9"),
+    (b"\x01blocks:" + _piece(0x81, b"not zlib"), "'blocks' is damaged"),
+    (b"\x01blocks:" + _piece(0, b"") + b"\x00", "left over"),
+    (b"\x01blocks,dst_blocks:" + _piece(0, b""), "end before 'dst_blocks'"),
+])  # fmt: skip
+def test_damaged_lists_are_named_not_misread(damaged: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        unpack_lists(damaged)
+
+
+def test_an_id_outside_int32_takes_the_slow_way_into_the_json() -> None:
+    event = BlocksReserved(at=1.0, instance="p", request="r", blocks=(1, 2**40),
+                           purpose="prefill")
+    row = encode_event(event)
+    assert row.lists is None and json.loads(row.payload)["blocks"] == [1, 2**40]
+    assert row.blocks == 2

@@ -197,7 +197,8 @@ def test_postgres_itself_refuses_a_payload_that_is_not_json(postgres_url: str) -
 ])  # fmt: skip
 def test_a_malformed_payload_names_run_seq_and_type(store_url: str, payload: str, why: str) -> None:
     run = record(store_url)
-    execute(store_url, "UPDATE events SET payload = :p WHERE run = :r AND seq = 4",
+    # the whole payload in the JSON, as the slow way and stores before 0003 write it
+    execute(store_url, "UPDATE events SET payload = :p, lists = NULL WHERE run = :r AND seq = 4",
             p=payload, r=run)  # fmt: skip
     with (
         open_store(store_url, read_only=True) as store,
@@ -206,6 +207,23 @@ def test_a_malformed_payload_names_run_seq_and_type(store_url: str, payload: str
     ):  # fmt: skip
         list(store.events(run))
     assert isinstance(caught.value, SchemaError)  # callers catching schema errors still do
+
+
+@pytest.mark.parametrize("sql, why", [
+    ("UPDATE events SET lists = :b WHERE run = :r AND seq = 4", "its block lists end before 'blocks'"),
+    ("UPDATE events SET payload = :p WHERE run = :r AND seq = 4",
+     "field 'blocks' is stored twice"),
+])  # fmt: skip
+def test_damaged_packed_lists_name_run_seq_and_type(store_url: str, sql: str, why: str) -> None:
+    run = record(store_url)
+    execute(store_url, sql, b=b"\x01blocks:\x01\x00", r=run,
+            p='{"blocks": [1], "purpose": "decode", "attempt": 0}')
+    with (
+        open_store(store_url, read_only=True) as store,
+        pytest.raises(StoredEventUnreadable,
+                      match=rf"^run {run}, event seq 4 \(BlocksReserved\): {why}"),
+    ):  # fmt: skip
+        list(store.events(run))
 
 
 def test_an_unknown_stored_event_type_names_run_and_seq(store_url: str) -> None:

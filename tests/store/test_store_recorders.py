@@ -97,6 +97,48 @@ def test_batching_recorder_flush_makes_events_visible(store: EventStore) -> None
     assert store.count(run) == 11
 
 
+def test_a_flush_amid_full_batches_writes_up_to_its_mark_in_order(store: EventStore) -> None:
+    """The writer pops a batch at a time; a flush's mark inside one is where it stops, and
+    what came after the mark is written next, in order."""
+    run = store.create_run("sim", "marks")
+    events = [blocks(i) for i in range(5_000)]
+    with BatchingRecorder(store, run, batch_size=700, flush_interval=30) as recorder:
+        recorded = 0
+        for cut in (1_234, 1_235, 3_001, 5_000):
+            for event in events[recorded:cut]:
+                recorder.record(event)
+            recorded = cut
+            recorder.flush()
+            assert store.count(run) == recorded
+    assert list(store.events(run)) == events
+
+
+def test_flushes_while_another_thread_records(store: EventStore) -> None:
+    """A flush returns once all recorded before it is written, though events recorded after
+    its mark share the writer's batch (they are put back and written next)."""
+    run = store.create_run("sim", "marks2")
+    events = [blocks(i) for i in range(20_000)]
+    done = threading.Event()
+    recorded = [0]
+    with BatchingRecorder(store, run, batch_size=500, flush_interval=30) as recorder:
+        def produce() -> None:
+            for event in events:
+                recorder.record(event)
+                recorded[0] += 1
+            done.set()
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        flushes = 0
+        while not done.is_set() or flushes == 0:
+            before = recorded[0]
+            recorder.flush()
+            assert store.count(run) >= before
+            flushes += 1
+        producer.join()
+    assert list(store.events(run)) == events
+
+
 def test_batching_recorder_writes_partial_batches_after_the_interval(store: EventStore) -> None:
     run = store.create_run("sim", "interval")
     with BatchingRecorder(store, run, batch_size=1000, flush_interval=0.05) as recorder:
