@@ -257,6 +257,9 @@ class Exchange:
     tokens: list[int]
     prompt: list[int] = field(default_factory=list, repr=False)
     reference: list[int] | None = None
+    # the plain server's answer when asked again (its prefix cache serves all but the last
+    # block: the prompt's KV read back, the tail computed, as decode does after a transfer)
+    reference_cached: list[int] | None = None
     transfers: list[dict[str, Any]] = field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
@@ -563,14 +566,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for pr in pairs:
             pr.router.stop()
-    # the reference: the plain server's greedy tokens for each prompt (turn 2: its own history)
+    # the reference: the plain server's greedy tokens for each prompt (turn 2: its own history),
+    # and again with the prompt in its prefix cache: where a P/D answer differs from the first
+    # but equals the second, the difference is the arithmetic of computing the tail against a
+    # stored cache (bf16 sums in another order), not the bytes the transfer moved
+    cached: dict[tuple[int, ...], list[int]] = {}
     try:
         if plain is not None:
             for x in rows:
                 key = tuple(x.prompt)
                 if key not in refs:
                     refs[key] = servers.complete(plain.url, x.prompt, args.max_tokens).token_ids
-                x.reference = refs[key]
+                    cached[key] = servers.complete(plain.url, x.prompt,
+                                                   args.max_tokens).token_ids
+                x.reference, x.reference_cached = refs[key], cached[key]
     finally:
         servers.stop_all(every)
     lines = summarize(rows, args.variants)
@@ -578,9 +587,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(lines)
     same = _same_across_variants(rows)
     exact = sum(1 for x in rows if x.reference is not None and x.tokens == x.reference)
+    exact_cached = sum(1 for x in rows if x.reference_cached is not None
+                       and x.tokens == x.reference_cached)
+    plain_agree = sum(1 for k in refs if k in cached and refs[k] == cached[k])
     print(f"\ntokens equal across variants: {same}; equal to the plain server: {exact}/"
-          f"{len(rows)}{' (no plain server)' if plain is None else ''}; failures: "
-          f"{failures or 'none'}; skipped at the deadline: {skipped or 'none'}")
+          f"{len(rows)}{' (no plain server)' if plain is None else ''}; equal to its "
+          f"prefix-cached rerun: {exact_cached}/{len(rows)}; the plain server agrees with "
+          f"itself (first answer vs cached rerun) on {plain_agree}/{len(cached)} prompts; "
+          f"failures: {failures or 'none'}; skipped at the deadline: {skipped or 'none'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
@@ -588,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
             "vllm": _vllm_version(), "args": {k: str(v) for k, v in vars(args).items()},
             "kv_bytes_per_token": per_token, "pools_tokens": pools, "run": run,
             "summary": lines, "same_across_variants": same, "failures": failures, "skipped": skipped,
+            "equal_to_plain": exact, "equal_to_plain_cached": exact_cached,
+            "plain_self_agreement": [plain_agree, len(cached)],
             "exchanges": [x.record() for x in rows]}, indent=1))
         print(f"written {args.json}")
     if os.environ.get("KVPLANE_BENCH_LOGS_TGZ"):
