@@ -32,16 +32,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import stats
 from .config import MultiTurnWorkload, Point, PoissonWorkload, Scenario, Sweep, load_scenario
 from .engines import check_engine, map_ordered
 from .runner import simulate
 
 #: progress(done, total) as simulations finish.
 Progress = Callable[[int, int], None]
-
-#: two-sided 95 % Student-t quantiles by degrees of freedom (n - 1)
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-        9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
 
 #: the rates of the attainment curve, as multiples of the planned rate
 CURVE_RATES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -186,13 +183,8 @@ def _finite(value: Any) -> Any:
 
 def mean_interval(values: Sequence[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95 % Student-t interval (0 for one value)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    t = _T95.get(n - 1) or _T95[max(k for k in _T95 if k <= n - 1)]
-    return mean, t * sd / math.sqrt(n)
+    iv = stats.mean_interval(values)
+    return iv.mean, iv.high - iv.mean
 
 
 # --- the workload ---------------------------------------------------------------------------
