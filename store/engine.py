@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -108,13 +109,29 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any, *, read_only: bool) 
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
+        cursor.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")
         if not read_only:
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")
     finally:
         cursor.close()
+
+
+def _wal(cursor: Any) -> None:
+    """`PRAGMA journal_mode=WAL`, waiting its turn. Switching a fresh file to WAL needs the
+    file to itself, and SQLite answers "database is locked" at once, without its busy handler,
+    while another connection is in the middle of the same switch or of the first migration
+    (four processes opening a new store together hit it about one time in twenty)."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _sqlite_on_begin(connection: Connection) -> None:

@@ -33,7 +33,6 @@ from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, Select, inspect, text
-from sqlalchemy.dialects.sqlite.base import SQLiteCompiler
 
 from .engine import WRITE_LOCK
 from .errors import StoreTooNew
@@ -104,18 +103,6 @@ def by_type(stmt: Select[Any], engine: Engine) -> Select[Any]:
     statistics; the hint is rendered for SQLite only.)"""
     name = TYPE_INDEX if has_block_counts(engine) else "ix_events_run_type"  # before 0002
     return stmt.with_hint(events_table, f"INDEXED BY {name}", "sqlite")
-
-
-def _sqlite_from_hint(self: SQLiteCompiler, table: Any, hint: str | None) -> str | None:
-    # SQLAlchemy renders a FROM hint only on dialects that define where it goes; its SQLite
-    # compiler does not, so `with_hint(..., "sqlite")` was silently dropped and the planner
-    # took the (run, request) index after all (2x the CPU of the cluster run's per-request
-    # query). SQLite's own syntax puts `INDEXED BY name` right after the table name, which is
-    # where SQLAlchemy appends a FROM hint; only this module's hints are rendered.
-    return hint if hint is not None and hint.startswith("INDEXED BY ") else None
-
-
-SQLiteCompiler.get_from_hint_text = _sqlite_from_hint  # type: ignore[method-assign,assignment]
 
 
 def has_packed_lists(engine: Engine) -> bool:

@@ -184,8 +184,9 @@ def test_the_same_runs_read_alike_on_postgresql(postgres_url, see_store_master, 
 def test_reads_by_type_use_the_covering_index_on_sqlite(tmp_path):
     """Without statistics SQLite would take the (run, request) index for a query grouped by
     request and read every row of the run. `by_type` names the covering index, and the hint
-    must really reach the SQL (SQLAlchemy's SQLite compiler dropped FROM hints until the
-    store taught it); the per-request query reads each type through that index."""
+    must really reach the SQL (SQLAlchemy's own SQLite compiler drops FROM hints: the store's
+    engines render them, `store.engine._SQLiteCompiler`); the per-request query reads each
+    type through that index without a hint."""
     from sqlalchemy import select
 
     from kvplane.results import request_stmt
