@@ -202,12 +202,16 @@ def timed_server_class() -> type:
 
 @dataclass
 class Router:
+    """`kvplane router` (as `python -m kvplane`, so no console script is needed) in front of
+    one prefill/decode pair; shared by the live benchmarks."""
+
     prefill: Any
     decode: Any
     db: Path
     run: str
     logs: Path
     lease_ttl: float
+    handle_key: str = HANDLE_KEY
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
@@ -219,29 +223,30 @@ class Router:
         import httpx
 
         self.port = _load("servers").free_port()
-        kvplane = Path(sys.executable).parent / "kvplane"
 
         def spec(s: Any) -> str:
             return f"{s.url},id={s.name},side=127.0.0.1:{s.side_port}"
 
-        cmd = [str(kvplane), "router", "--prefill", spec(self.prefill), "--decode",
-               spec(self.decode), "--mode", mode, "--port", str(self.port), "--db", str(self.db),
-               "--run-id", self.run, "--lease-ttl", str(self.lease_ttl), "--log-level", "WARNING"]
-        log = open(self.logs / f"router-{mode}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "KVPLANE_HANDLE_KEY": HANDLE_KEY},
-                                     start_new_session=True)
-        deadline = time.monotonic() + 60
+        cmd = [sys.executable, "-m", "kvplane", "router", "--prefill", spec(self.prefill),
+               "--decode", spec(self.decode), "--mode", mode, "--port", str(self.port),
+               "--db", str(self.db), "--run-id", self.run, "--lease-ttl", str(self.lease_ttl),
+               "--log-level", "WARNING"]
+        log_path = self.logs / f"router-{self.prefill.name}-{mode}.log"
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "KVPLANE_HANDLE_KEY": self.handle_key},
+                                         start_new_session=True)
+        deadline = time.monotonic() + 90
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited: see {self.logs / f'router-{mode}.log'}")
+                raise RuntimeError(f"router exited: see {log_path}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError("router not healthy after 60 s")
+                raise RuntimeError("router not healthy after 90 s")
             time.sleep(0.2)
 
     def stop(self) -> None:

@@ -36,7 +36,6 @@ asserts a duration.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sqlite3
@@ -140,15 +139,6 @@ def __getattr__(name: str) -> Any:
 # ---- the driver ---------------------------------------------------------------------------------
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def traced_server_class(servers: ModuleType) -> type:
     class TracedServer(servers.VllmServer):  # type: ignore[misc,name-defined]
         def command(self) -> list[str]:
@@ -234,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    live_pd = _load("live_pd", HERE / "live_pd.py")
+    import live_pd  # a sibling script: its directory is on sys.path
+
     servers = live_pd._load("servers")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvplane-reuse-gap-"))
     trace = logs / "trace"

@@ -41,15 +41,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import importlib.util
 import itertools
 import json
 import os
 import random
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -57,7 +54,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,17 +63,9 @@ LOG_LINE = re.compile(r"kvplane transfer (?P<xfer>\S+) (?P<attempt>\d+) (?P<kind
                       r"(?P<desc>\d+) descriptors, (?P<ms>[\d.]+) ms")
 
 
-def _load(path: Path, name: str) -> ModuleType:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+import live_pd  # a sibling script: its directory is on sys.path
 
-
-servers = _load(ROOT / "tests" / "live" / "servers.py", "kvplane_live_servers")
-live_pd = _load(ROOT / "benchmarks" / "live_pd.py", "kvplane_bench_live_pd")
+servers = live_pd._load("servers")
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -177,68 +165,11 @@ class BenchServer(servers.VllmServer):  # type: ignore[misc,name-defined]
 
 
 @dataclass
-class Router:
-    """`kvplane router` (run as `python -m kvplane`) in front of one pair."""
-
-    prefill: Any
-    decode: Any
-    db: Path
-    run: str
-    logs: Path
-    lease_ttl: float
-    port: int = 0
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, mode: str) -> None:
-        import httpx
-
-        self.port = servers.free_port()
-
-        def spec(s: Any) -> str:
-            return f"{s.url},id={s.name},side=127.0.0.1:{s.side_port}"
-
-        cmd = [sys.executable, "-m", "kvplane", "router", "--prefill", spec(self.prefill),
-               "--decode", spec(self.decode), "--mode", mode, "--port", str(self.port),
-               "--db", str(self.db), "--run-id", self.run, "--lease-ttl", str(self.lease_ttl),
-               "--log-level", "WARNING"]
-        log = open(self.logs / f"router-{self.prefill.name}-{mode}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "KVPLANE_HANDLE_KEY": HANDLE_KEY},
-                                     start_new_session=True)
-        deadline = time.monotonic() + 90
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited: see {log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("router not healthy after 90 s")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
-
-
-@dataclass
 class Pair:
     variant: str
     prefill: BenchServer
     decode: BenchServer
-    router: Router
+    router: live_pd.Router
 
 
 # ---- the workload --------------------------------------------------------------------------------
@@ -495,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         e = {**env, "KVPLANE_STAGING": staging}
         p = BenchServer(f"prefill-{v}", model, logs, connector=dict(cfg), env=dict(e), **common)
         d = BenchServer(f"decode-{v}", model, logs, connector=dict(cfg), env=dict(e), **common)
-        pairs.append(Pair(v, p, d, Router(p, d, db, run, logs, args.lease_ttl)))
+        router = live_pd.Router(p, d, db, run, logs, args.lease_ttl, HANDLE_KEY)
+        pairs.append(Pair(v, p, d, router))
     plain = None if args.no_plain else BenchServer("plain", model, logs, env=dict(env), **common)
     every = [s for pr in pairs for s in (pr.prefill, pr.decode)] + ([plain] if plain else [])
     print(f"starting {len(every)} vLLM servers ({per_token} bytes of KV per token) ...",

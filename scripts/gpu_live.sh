@@ -54,13 +54,12 @@ stage() {
   mkdir -p "$PARTS" && mv "${1:?chunk}" "$PARTS/" && ls -l "$PARTS"
 }
 
-run() {
-  local chunks=${1:?CHUNKS} suite=${2:?SUITE} out=${3:?OUT}
-  suite=$(cd "$suite" && pwd)
-  mkdir -p "$out" "$PARTS"
+# install CHUNKS SUITE OUT: the staged chunks and SUITE's wheels into $SITE, the environment
+# every GPU command runs in, and the versions (OUT/versions.txt). Shared with gpu_transfer_pd.sh.
+install() {
+  local chunks=${1:?CHUNKS} suite=${2:?SUITE} out=${3:?OUT} t0=$SECONDS p
+  mkdir -p "$out" "$PARTS" /tmp/kvplane-whl "$SITE"
   for p in "$chunks"/p?; do [ -e "$p" ] && mv "$p" "$PARTS/"; done
-  local t0=$SECONDS
-  mkdir -p /tmp/kvplane-whl "$SITE"
   cat "$PARTS"/p? | tar -xf - -C /tmp/kvplane-whl || { echo "chunks incomplete"; return 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
     /tmp/kvplane-whl/*.whl "$suite"/wheels/*.whl 2>&1 | grep -v -i warning | tail -5
@@ -69,12 +68,18 @@ run() {
   export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   export VLLM_USE_FLASHINFER_SAMPLER=0
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  export KVPLANE_TEST_LOGS=/tmp/kvplane-gpu-logs
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import vllm, torch, nixl; print('vllm', vllm.__version__, 'torch', \
 torch.__version__)"
     ldd --version | head -1
   } 2>&1 | tee "$out/versions.txt"
+}
+
+run() {
+  local chunks=${1:?CHUNKS} suite=${2:?SUITE} out=${3:?OUT} t0=$SECONDS
+  suite=$(cd "$suite" && pwd)
+  install "$chunks" "$suite" "$out" || return 1
+  export KVPLANE_TEST_LOGS=/tmp/kvplane-gpu-logs
 
   # LIBFABRIC with libfabric's tcp provider (no EFA NIC here)
   local fab=/tmp/kvplane-fabric
@@ -105,6 +110,7 @@ torch.__version__)"
   return "$rc"
 }
 
+[[ "${BASH_SOURCE[0]}" == "$0" ]] || return 0  # sourced (gpu_transfer_pd.sh): functions only
 case "${1:-}" in
   prepare) shift; prepare "$@" ;;
   stage) shift; stage "$@" ;;

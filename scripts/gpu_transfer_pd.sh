@@ -16,8 +16,8 @@
 # changes nothing outside /tmp.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-PARTS=/tmp/kvplane-parts
-SITE=/tmp/kvplane-site
+# shellcheck source=gpu_live.sh
+source "$HERE/gpu_live.sh"  # install, stage, PARTS and SITE
 
 prepare() {
   local suite=${1:?SUITE} root
@@ -36,23 +36,9 @@ run() {
   local chunks=${1:?CHUNKS} suite=${2:?SUITE} out=${3:?OUT}
   shift 3
   suite=$(cd "$suite" && pwd)
-  mkdir -p "$out" "$PARTS"
-  for p in "$chunks"/p?; do [ -e "$p" ] && mv "$p" "$PARTS/"; done
   local t0=$SECONDS
-  mkdir -p /tmp/kvplane-whl "$SITE"
-  cat "$PARTS"/p? | tar -xf - -C /tmp/kvplane-whl || { echo "chunks incomplete"; return 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-    /tmp/kvplane-whl/*.whl "$suite"/wheels/*.whl 2>&1 | grep -v -i warning | tail -5
-  echo "installed $(ls /tmp/kvplane-whl | wc -l) wheels in $((SECONDS - t0)) s"
-  export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1
-  export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-  export VLLM_USE_FLASHINFER_SAMPLER=0
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  install "$chunks" "$suite" "$out" || return 1
   export KVPLANE_BENCH_LOGS_TGZ=$out/logs.tgz
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import vllm, torch, nixl; print('vllm', vllm.__version__, 'torch', \
-torch.__version__)"
-  } 2>&1 | tee "$out/versions.txt"
   (cd "$suite" && timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/transfer_vllm_pd.py \
     --json "$out/transfer-vllm-pd.json" --logs /tmp/kvplane-xfer-pd "$@" 2>&1 \
     | tee "$out/transfer-vllm-pd.txt")

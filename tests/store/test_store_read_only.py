@@ -209,31 +209,23 @@ def test_a_malformed_payload_names_run_seq_and_type(store_url: str, payload: str
     assert isinstance(caught.value, SchemaError)  # callers catching schema errors still do
 
 
-@pytest.mark.parametrize("sql, why", [
-    ("UPDATE events SET lists = :b WHERE run = :r AND seq = 4", "its block lists end before 'blocks'"),
-    ("UPDATE events SET payload = :p WHERE run = :r AND seq = 4",
+@pytest.mark.parametrize("sql, seq, kind, why", [
+    ("UPDATE events SET lists = :b WHERE run = :r AND seq = 4", 4, "BlocksReserved",
+     "its block lists end before 'blocks'"),
+    ("UPDATE events SET payload = :p WHERE run = :r AND seq = 4", 4, "BlocksReserved",
      "field 'blocks' is stored twice"),
+    ("UPDATE events SET type = 'FromTheFuture' WHERE run = :r AND seq = 2", 2, "FromTheFuture",
+     "unknown event type"),
 ])  # fmt: skip
-def test_damaged_packed_lists_name_run_seq_and_type(store_url: str, sql: str, why: str) -> None:
+def test_a_damaged_row_names_run_seq_and_type(store_url: str, sql: str, seq: int, kind: str,
+                                              why: str) -> None:
     run = record(store_url)
     execute(store_url, sql, b=b"\x01blocks:\x01\x00", r=run,
             p='{"blocks": [1], "purpose": "decode", "attempt": 0}')
     with (
         open_store(store_url, read_only=True) as store,
         pytest.raises(StoredEventUnreadable,
-                      match=rf"^run {run}, event seq 4 \(BlocksReserved\): {why}"),
-    ):  # fmt: skip
-        list(store.events(run))
-
-
-def test_an_unknown_stored_event_type_names_run_and_seq(store_url: str) -> None:
-    run = record(store_url)
-    execute(store_url, "UPDATE events SET type = 'FromTheFuture' WHERE run = :r AND seq = 2",
-            r=run)  # fmt: skip
-    with (
-        open_store(store_url, read_only=True) as store,
-        pytest.raises(StoredEventUnreadable,
-                      match=rf"^run {run}, event seq 2 \(FromTheFuture\): unknown event type"),
+                      match=rf"^run {run}, event seq {seq} \({kind}\): {why}"),
     ):  # fmt: skip
         list(store.events(run))
 
