@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -489,13 +490,7 @@ class PdCluster:
     def wait_for(self, xfer: str, kind: type, timeout: float = 20.0,
                  **match: object) -> list[Any]:
         """The events of one exchange, once one of `kind` (matching) is among them."""
-        deadline = time.monotonic() + timeout
-        while True:
-            evs = self.of(xfer, settle=0.2)
-            if any(isinstance(e, kind) and all(getattr(e, k) == v for k, v in match.items())
-                   for e in evs) or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.3)
+        return wait_events(lambda: self.of(xfer, settle=0.2), kind, timeout, **match)
 
 
 def pd_cluster(suite: str, connector: dict[str, Any], *, handle_key: str = "",
@@ -538,6 +533,45 @@ def pd_cluster(suite: str, connector: dict[str, Any], *, handle_key: str = "",
     print(f"\nvLLM and router logs and events in {logs}")
     return PdCluster(p, d, single, RouterProcess(p, d, db, run, logs, handle_key=handle_key),
                      db, run, logs, more)
+
+
+def only(evs: list[Any], kind: type, **match: object) -> list[Any]:
+    """The events of `kind` whose fields equal `match`."""
+    return [e for e in evs if isinstance(e, kind)
+            and all(getattr(e, k) == v for k, v in match.items())]
+
+
+def wait_events(read: Callable[[], list[Any]], kind: type, timeout: float = 20.0,
+                **match: object) -> list[Any]:
+    """`read()`'s events once one of `kind` (matching) is among them, else after `timeout`
+    seconds, for the assertion to show what was there (recorders write in batches)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        evs = read()
+        if only(evs, kind, **match) or time.monotonic() > deadline:
+            return evs
+        time.sleep(0.3)
+
+
+def recorded(db: Path, run: str, xfer: str) -> list[Any]:
+    """One exchange's events in the store, in recorded order."""
+    from kvplane.store import open_store
+
+    with open_store(str(db)) as store:
+        return [e for e in store.events(run) if e.request == xfer]
+
+
+def settled(read: Callable[[], float], want: float, what: str = "metric",
+            timeout: float = 20.0) -> float:
+    """`read()` once it equals `want` (vLLM publishes its counters a little after the
+    request); asserts with its last value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read()
+        if got == want or time.monotonic() > deadline:
+            assert got == want, f"{what} is {got}, expected {want}"
+            return got
+        time.sleep(0.5)
 
 
 def helper(name: str, path: Path | None = None) -> ModuleType:

@@ -30,6 +30,7 @@ from kvplane.core import events as ev
 from kvplane.core.replay import replay
 
 PdClient, complete, free_port = _servers.PdClient, _servers.complete, _servers.free_port
+only = _servers.only
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
@@ -41,10 +42,6 @@ WAIT = 8.0  # decode's push wait (kv_wait_timeout)
 Cluster = _servers.PdCluster
 DOOMED = "prefill-doomed"  # a second prefill, killed half-way
 
-
-def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[ev.Event]:
-    return [e for e in evs if isinstance(e, kind)
-            and all(getattr(e, k) == v for k, v in match.items())]
 
 
 def prompt(seed: int, n: int = 80) -> list[int]:

@@ -17,7 +17,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import kvplane_live_servers as _servers
 import kvplane_live_tiny_model as tiny_model
@@ -29,6 +29,7 @@ from kvplane.live.sidechannel import SideChannelError, fetch
 
 PdClient, VllmServer = _servers.PdClient, _servers.VllmServer
 complete, start_all, stop_all = _servers.complete, _servers.start_all, _servers.stop_all
+only, settled = _servers.only, _servers.settled
 tiny_model_dir = tiny_model.tiny_model_dir
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
@@ -53,22 +54,6 @@ def prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 1000) for _ in range(n)]
 
-
-def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[ev.Event]:
-    return [e for e in evs if isinstance(e, kind)
-            and all(getattr(e, k) == v for k, v in match.items())]
-
-
-def settled(read: Callable[[], float], want: float, timeout: float = 20.0) -> float:
-    """`read()` once it equals `want` (vLLM publishes its counters a little after the
-    request), else its last value after `timeout` seconds, for the assertion to show."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = read()
-        if got == want or time.monotonic() > deadline:
-            assert got == want, f"metric is {got}, events say {want}"
-            return got
-        time.sleep(0.5)
 
 
 def moved_bytes(num_tokens: int) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ import kvplane_live_servers
 import pytest
 
 from kvplane.core import events as ev
-from kvplane.store import open_store
 
 _servers = kvplane_live_servers
 VllmServer, PdClient = _servers.VllmServer, _servers.PdClient
@@ -62,13 +60,8 @@ class Cluster:
     run: str
 
     def of(self, xfer: str, kind: type[ev.Event], timeout: float = 20.0) -> list[ev.Event]:
-        deadline = time.monotonic() + timeout
-        while True:
-            with open_store(str(self.db)) as store:
-                evs = [e for e in store.events(self.run) if e.request == xfer]
-            if any(isinstance(e, kind) for e in evs) or time.monotonic() > deadline:
-                return evs
-            time.sleep(0.3)
+        return _servers.wait_events(lambda: _servers.recorded(self.db, self.run, xfer), kind,
+                                    timeout)
 
 
 @pytest.fixture(scope="module")

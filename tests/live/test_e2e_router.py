@@ -33,7 +33,7 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from kvplane.core.replay import replay
 
 VllmServer = _servers.VllmServer
 start_all, stop_all, free_port = _servers.start_all, _servers.stop_all, _servers.free_port
+only, settled = _servers.only, _servers.settled
 MODEL = _servers.MODEL_NAME
 tiny_model_dir = tiny_model.tiny_model_dir
 
@@ -149,21 +150,6 @@ def ask(url: str, *, chat: bool, stream: bool, payload: dict[str, Any],
     assert done, "the stream ended without [DONE]"
     return Answer(ids, text, xfer, usage["prompt_tokens"] if usage else None)
 
-
-def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[ev.Event]:
-    return [e for e in evs if isinstance(e, kind)
-            and all(getattr(e, k) == v for k, v in match.items())]
-
-
-def settled(read: Callable[[], float], want: float, what: str, timeout: float = 20.0) -> None:
-    """Wait until `read()` equals `want` (vLLM publishes its counters a little late)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = read()
-        if got == want or time.monotonic() > deadline:
-            assert got == want, f"{what}: metric is {got}, expected {want}"
-            return
-        time.sleep(0.5)
 
 
 def ext_tokens(server: VllmServer, source: str = "external_kv_transfer") -> float:

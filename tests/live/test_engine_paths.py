@@ -36,6 +36,7 @@ import pytest
 from kvplane.core import events as ev
 
 Side, complete = _servers.Side, _servers.complete
+only = _servers.only
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
@@ -78,10 +79,6 @@ def prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 1000) for _ in range(n)]
 
-
-def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[Any]:
-    return [e for e in evs if isinstance(e, kind)
-            and all(getattr(e, k) == v for k, v in match.items())]
 
 
 def exchange(cluster: Any, mode: str, p: list[int], max_tokens: int = MAX_TOKENS,

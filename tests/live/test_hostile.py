@@ -41,6 +41,7 @@ from kvplane.core import events as ev
 
 Cluster = _servers.PdCluster
 MODEL = _servers.MODEL_NAME
+only = _servers.only
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
@@ -87,10 +88,6 @@ def tokens(r: httpx.Response) -> list[list[int]]:
 def reference(cluster: Any, p: list[int], **body: Any) -> list[int]:
     return tokens(post(cluster.single.url, {"prompt": p, **body}))[0]
 
-
-def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[Any]:
-    return [e for e in evs if isinstance(e, kind)
-            and all(getattr(e, k) == v for k, v in match.items())]
 
 
 def refused(r: httpx.Response, param: str | None = None) -> None:
