@@ -841,6 +841,9 @@ class WorkerHalf:
                                    staging=staging_for(first.flat))
         for r in regions:
             self.transport.register(r.flat)
+        # IPC copies (GPU memory, a peer on this host): build the copy kernel for this
+        # cache's pieces now, not on the first transfer
+        self.transport.warm_up_ipc(geometry.layout().piece)
         logger.info("kvplane %s rank %d: registered %d layers x %d blocks of %d bytes "
                     "(stride %d, %s) with NIXL %s; inside a block: %s", self.instance,
                     self.rank, len(regions), first.num_blocks, first.block_bytes,

@@ -107,19 +107,30 @@ def group_addresses(bases: tuple[int, ...], span: int, region_starts: list[int],
     return out
 
 
-def piece_table(group_addrs: list[int], stride: int, ids: Any, origin: int,
-                unit: int = UNIT) -> Any:
-    """One int64 per piece, group-major: (address of piece (group g, block ids[i]) - origin) /
-    unit. Both sides' tables are built in the same order, so row k of the source table is
-    copied to row k of the destination table."""
+def unit_table(groups: list[int], stride: int, origin: int,
+               unit: int = UNIT) -> tuple[Any, int]:
+    """A side's piece groups and block stride in `unit`s from `origin`: what the kernel reads.
+    Piece (g, block b) starts at origin + (groups[g] + b x stride) x unit."""
     import numpy as np
 
-    ga = np.asarray(group_addrs, dtype=np.int64) - np.int64(origin)
-    ids = np.asarray(ids, dtype=np.int64)
-    table = ga[:, None] + ids[None, :] * np.int64(stride)
-    if (table % unit).any():
+    ga = np.asarray(groups, dtype=np.int64) - np.int64(origin)
+    if (ga % unit).any() or stride % unit:
         raise IpcUnavailable(f"pieces are not {unit}-byte aligned")
-    return (table // unit).reshape(-1)
+    return ga // unit, stride // unit
+
+
+def piece_table(groups: list[int], stride: int, ids: Any, origin: int,
+                unit: int = UNIT) -> Any:
+    """Row r of a copy in `unit`s from `origin`, exactly as the kernel computes it: group
+    r // n, block ids[r % n] (n blocks; rows group-major). Row r of the source is copied to
+    row r of the destination."""
+    import numpy as np
+
+    g, s = unit_table(groups, stride, origin, unit)
+    ids = np.asarray(ids, dtype=np.int64)
+    n = len(ids)
+    r = np.arange(len(g) * n, dtype=np.int64)
+    return g[r // n] + ids[r % n] * s
 
 
 # ---- export and mapping --------------------------------------------------------------------------
@@ -196,10 +207,11 @@ def open_peer(theirs: dict[str, Any], device: Any) -> Mapping:
 # ---- copies ---------------------------------------------------------------------------------------
 
 _KERNEL: Any = None
+MAX_BLOCK = 4096  # int64 elements one program moves per step (32 KiB)
 
 
 def _triton_kernel() -> Any:
-    """The one-pass copy kernel (built on first use), or None without Triton."""
+    """The one-pass copy kernel (built on first use per piece size), or None without Triton."""
     global _KERNEL
     if _KERNEL is not None:
         return _KERNEL or None
@@ -210,26 +222,45 @@ def _triton_kernel() -> Any:
         _KERNEL = False
         return None
 
-    @triton.jit(do_not_specialize=["n", "units", "per"])  # one build for every shape
-    def copy_pieces(origin, src, dst, n, units, per, BLOCK: tl.constexpr):
-        # Program p copies pieces p*per .. p*per+per-1; a piece is `units` x 16 bytes from
-        # origin + src[i] x 16 to origin + dst[i] x 16 (int64 elements, two per unit, so
-        # every access is 16-byte aligned and vectorises).
-        pid = tl.program_id(0)
+    @triton.jit(do_not_specialize=["n", "rows", "s_stride", "d_stride"])
+    def copy_pieces(origin, s_groups, s_ids, s_stride, d_groups, d_ids, d_stride, n, rows,
+                    ELEMS: tl.constexpr, BLOCK: tl.constexpr, PER: tl.constexpr):
+        # Program p copies rows p*PER .. p*PER+PER-1 (row r: group r // n, block ids[r % n];
+        # piece_table is the same rule in numpy). A piece is ELEMS int64s at
+        # origin + (groups[g] + ids[i] x stride) x 2 elements: 16-byte units, so every access
+        # is 16-byte aligned, and the mask is constant along a piece: the loads vectorise.
+        r = tl.program_id(0) * PER + tl.arange(0, PER)
+        live = r < rows
+        g = r // n
+        i = r % n
+        s = (tl.load(s_groups + g, mask=live, other=0)
+             + tl.load(s_ids + i, mask=live, other=0) * s_stride) * 2
+        d = (tl.load(d_groups + g, mask=live, other=0)
+             + tl.load(d_ids + i, mask=live, other=0) * d_stride) * 2
         cols = tl.arange(0, BLOCK)
-        elems = units * 2
-        for j in range(per):
-            i = pid * per + j
-            if i < n:
-                s = tl.load(src + i) * 2
-                d = tl.load(dst + i) * 2
-                for k in range(0, elems, BLOCK):
-                    mask = k + cols < elems
-                    x = tl.load(origin + s + k + cols, mask=mask)
-                    tl.store(origin + d + k + cols, x, mask=mask)
+        m = live[:, None]
+        for k in tl.static_range(0, ELEMS, BLOCK):
+            x = tl.load(origin + s[:, None] + k + cols[None, :], mask=m)
+            tl.store(origin + d[:, None] + k + cols[None, :], x, mask=m)
 
     _KERNEL = copy_pieces
     return _KERNEL
+
+
+def kernel_shape(piece: int) -> tuple[int, int, int] | None:
+    """(ELEMS, BLOCK, PER) for pieces of `piece` bytes: BLOCK, the largest power of two up to
+    MAX_BLOCK dividing the piece's int64 count, PER pieces per program so that one step moves
+    about 32 KiB; None when the piece is not a multiple of 512 bytes (then torch)."""
+    if piece % 512:
+        return None
+    elems = piece // 8
+    block = 1
+    while block * 2 <= MAX_BLOCK and elems % (block * 2) == 0:
+        block *= 2
+    per = 1
+    while elems * per * 2 <= MAX_BLOCK:
+        per *= 2
+    return elems, block, per
 
 
 def _rows_at(address: int, rows: int, stride: int, piece: int, like: Any) -> Any:
@@ -277,6 +308,8 @@ class Copier:
         self.use_triton = use_triton and self.cuda
         self._stream: Any = None
         self.kernel_error = ""
+        self.last = ""  # how the latest copy ran: "triton" or "torch"
+        self.warmed: set[int] = set()
 
     def _side(self) -> Any:
         if self._stream is None:
@@ -290,6 +323,7 @@ class Copier:
         Returns (event or None when done, "triton" or "torch")."""
         if not self.cuda:
             self._torch_copy(src, dst, piece)
+            self.last = "torch"
             return None, "torch"
         import torch
 
@@ -303,6 +337,7 @@ class Copier:
                 self._torch_copy(src, dst, piece)
             event = torch.cuda.Event()
             event.record(stream)
+        self.last = how
         return event, how
 
     def _triton_copy(self, src: Side, dst: Side, piece: int) -> bool:
@@ -310,30 +345,37 @@ class Copier:
         import torch
 
         kernel = _triton_kernel()
-        if kernel is None or self.kernel_error:
+        shape = kernel_shape(piece)
+        if kernel is None or shape is None or self.kernel_error:
             return False
+        elems, block, per = shape
         origin = self.like.data_ptr() // UNIT * UNIT
         try:
-            tables = np.stack([piece_table(src.groups, src.stride, src.ids, origin),
-                               piece_table(dst.groups, dst.stride, dst.ids, origin)])
+            sg, ss = unit_table(src.groups, src.stride, origin)
+            dg, ds = unit_table(dst.groups, dst.stride, origin)
         except IpcUnavailable:
             return False
-        table = torch.from_numpy(tables).to(self.like.device, non_blocking=False)
-        n = tables.shape[1]
-        units = piece // UNIT
-        per = max(1, min(16, (32 << 10) // piece))  # about 32 KiB per program
+        n = len(src.ids)
+        # one upload: both sides' groups and ids (a few KiB)
+        host = np.concatenate([sg, dg, np.asarray(src.ids, dtype=np.int64),
+                               np.asarray(dst.ids, dtype=np.int64)])
+        dev = torch.from_numpy(host).to(self.like.device)
+        gn = len(sg)
         from kvplane.live.staging import _CudaMemory
 
         base = torch.as_tensor(_CudaMemory(origin, (1, 1), "<i8"), device=self.like.device)
+        rows = gn * n
         try:
-            kernel[(math.ceil(n / per),)](base.view(-1), table[0], table[1], n, units, per,
-                                          BLOCK=1024, num_warps=4)
+            kernel[(math.ceil(rows / per),)](
+                base.view(-1), dev[:gn], dev[2 * gn:2 * gn + n], ss, dev[gn:2 * gn],
+                dev[2 * gn + n:], ds, n, rows, ELEMS=elems, BLOCK=block, PER=per,
+                num_warps=8)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not build: torch from now
             self.kernel_error = f"{type(exc).__name__}: {exc}"
             logger.warning("kvplane ipc: the Triton copy kernel failed (%s); using torch index "
                            "ops (two passes)", self.kernel_error)
             return False
-        # `table` was allocated on the side stream, so the caching allocator reuses its memory
+        # `dev` was allocated on the side stream, so the caching allocator reuses its memory
         # only after the kernel (queued on that stream) has read it.
         return True
 
@@ -349,21 +391,22 @@ class Copier:
             rows_d = _rows_at(gb, dst.num_blocks, dst.stride, piece, self.like)
             rows_d.index_copy_(0, did, rows_s.index_select(0, sid))
 
-    def warm_up(self) -> None:
-        """Build the kernel now (first launch compiles it) on a scratch buffer, so that the
-        first transfer does not pay for it."""
-        if not self.use_triton:
+    def warm_up(self, piece: int) -> None:
+        """Build the kernel for pieces of `piece` bytes now (its first launch compiles it), on
+        a scratch buffer, so that the first transfer does not pay for it."""
+        if not self.use_triton or piece in self.warmed:
             return
+        self.warmed.add(piece)
         import torch
 
-        scratch = torch.zeros(4 * 4096, dtype=torch.uint8, device=self.like.device)
+        scratch = torch.zeros(4 * piece, dtype=torch.uint8, device=self.like.device)
         a = scratch.data_ptr()
-        one = Side([a], 4096, 2, [0])
-        two = Side([a + 8192], 4096, 2, [0])
+        one = Side([a], piece, 2, [0])
+        two = Side([a + 2 * piece], piece, 2, [0])
         saved = self.like
         try:
             self.like = scratch
-            event, _ = self.copy(one, two, 4096)
+            event, _ = self.copy(one, two, piece)
             if event is not None:
                 event.synchronize()
         finally:
@@ -390,7 +433,7 @@ class IpcSide:
     mappings (opened once per peer, closed when the peer is removed), and the copier. Made
     only for GPU memory; raises where the export fails."""
 
-    def __init__(self, buffers: list[Any], *, warm_up: bool = True) -> None:
+    def __init__(self, buffers: list[Any], *, warm_up: int = 0) -> None:
         self.device = buffers[0].device
         self.export = export(buffers)
         self.visible = _visible_peers(self.device)
@@ -398,12 +441,17 @@ class IpcSide:
         self.maps: dict[str, Mapping] = {}
         self.broken: dict[str, str] = {}
         if warm_up:
-            try:
-                self.copier.warm_up()
-            except Exception as exc:  # noqa: BLE001 - torch index ops remain
-                self.copier.kernel_error = f"{type(exc).__name__}: {exc}"
-                logger.warning("kvplane ipc: the Triton copy kernel did not build (%s); IPC "
-                               "copies use torch index ops", self.copier.kernel_error)
+            self.warm_up(warm_up)
+
+    def warm_up(self, piece: int) -> None:
+        """Build the copy kernel for `piece`-byte pieces now (a second or two, once per
+        process and size; Triton caches it on disk)."""
+        try:
+            self.copier.warm_up(piece)
+        except Exception as exc:  # noqa: BLE001 - torch index ops remain
+            self.copier.kernel_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("kvplane ipc: the Triton copy kernel did not build (%s); IPC "
+                           "copies use torch index ops", self.copier.kernel_error)
 
     def route(self, peer: str, theirs: dict[str, Any] | None) -> IpcRoute | None:
         if peer in self.broken:

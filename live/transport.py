@@ -469,7 +469,7 @@ class Transport:
         buffers = [r.keepalive for r in self._regions]
         if self._ipc_wanted and self.mem_kind == "VRAM" and buffers:
             try:
-                self._ipc = ipc_copy.IpcSide(buffers)
+                self._ipc = ipc_copy.IpcSide(buffers, warm_up=self.granule)
             except Exception as exc:  # noqa: BLE001 - no IPC then; every other method stays
                 logger.info("%s: no CUDA IPC export (%s: %s); transfers use NIXL", self.name,
                             type(exc).__name__, exc)
@@ -723,6 +723,14 @@ class Transport:
         if self._ipc is None or p is None:
             return None
         return self._ipc.route(peer, p.info.ipc)
+
+    def warm_up_ipc(self, piece: int) -> None:
+        """Build the IPC copy kernel for blocks of `piece`-byte pieces now (freezes the layout),
+        so that the first IPC transfer does not wait for it. Nothing without IPC."""
+        with self._lock:
+            self._freeze()
+            if self._ipc is not None:
+                self._ipc.warm_up(piece)
 
     def fallbacks(self) -> list[Fallback]:
         """The latest transfers that could not use the method chosen first (ipc), oldest
