@@ -329,7 +329,9 @@ class Copier:
 
         stream = self._side()
         stream.wait_stream(torch.cuda.current_stream(self.like.device))
-        with torch.cuda.stream(stream):
+        # the device too: Triton launches on the calling thread's current device, and a
+        # connector's transfer thread starts on device 0 whatever its rank's GPU
+        with torch.cuda.device(self.like.device), torch.cuda.stream(stream):
             how = "torch"
             if self.use_triton and piece % UNIT == 0 and self._triton_copy(src, dst, piece):
                 how = "triton"
