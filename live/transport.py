@@ -54,6 +54,15 @@ its WRITE are carried out as WRITEs by the side that holds the data, and either 
 when the bytes are in place on the receiver (as a direct transfer). `TransferResult.method`
 says which was used; `busy` is true while staged jobs (ours or a peer's) are under way, when a
 polling loop should not back off (each step of a staged transfer waits for the next poll).
+
+IPC copies (live/ipc.py): on GPU memory the transport also exports CUDA IPC handles of its KV
+regions in its handshake (`PeerInfo.ipc`; off with KVPLANE_IPC=off). For a block transfer
+(`post_blocks`) to a peer on the same host whose GPU we reach, the estimate may choose "ipc":
+we map the peer's cache (once per peer, dropped by `remove_peer`) and one kernel copies the
+blocks, for a WRITE from our cache into the peer's and for a READ the other way; when its
+event is done the notification goes over NIXL as for any WRITE, so the peer's completion rules
+do not change. Any failure falls back to the estimate's other methods for that peer, recorded
+(`fallbacks()`, `TransferResult.fallback`); run lists (`post`) never go by IPC.
 """
 
 from __future__ import annotations
