@@ -172,6 +172,7 @@ class Mapping:
     """The peer's KV regions as seen from this process (tensors keep the mappings open)."""
 
     addresses: list[int]
+    lengths: list[int]
     keep: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -182,7 +183,7 @@ def open_peer(theirs: dict[str, Any], device: Any) -> Mapping:
     """Map the peer's regions on our `device`; raises IpcUnavailable."""
     regions = theirs.get("regions") or []
     if int(theirs.get("pid", -1)) == os.getpid():  # a peer in this process: same addresses
-        return Mapping([int(r["addr"]) for r in regions])
+        return Mapping([int(r["addr"]) for r in regions], [int(r["len"]) for r in regions])
     try:
         import torch
 
@@ -201,7 +202,7 @@ def open_peer(theirs: dict[str, Any], device: Any) -> Mapping:
     except Exception as exc:
         raise IpcUnavailable(f"opening the peer's CUDA IPC handles failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-    return Mapping(addrs, keep)
+    return Mapping(addrs, [int(t.numel()) for t in keep], keep)
 
 
 # ---- copies ---------------------------------------------------------------------------------------

@@ -756,9 +756,11 @@ class Transport:
             m = self._ipc.mapping(t.peer, p.info.ipc or {})
             kv = self._regions[:-1] if self._stager is not None else self._regions
             peer_kv = p.info.regions[:-1] if p.info.staging_slot > 0 else p.info.regions
-            if len(m.addresses) != len(peer_kv):
-                raise ipc_copy.IpcUnavailable(f"the peer exported {len(m.addresses)} regions "
-                                              f"for {len(peer_kv)} KV regions")
+            if len(m.addresses) != len(peer_kv) or any(
+                    n < r.length for n, r in zip(m.lengths, peer_kv, strict=True)):
+                raise ipc_copy.IpcUnavailable(
+                    f"the peer's IPC export ({len(m.addresses)} regions) does not cover its "
+                    f"{len(peer_kv)} registered KV regions")
             ours = ipc_copy.Side(
                 ipc_copy.group_addresses(local.bases, local.span,
                                          _boundaries([r.region for r in kv], start=True),
