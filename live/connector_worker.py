@@ -533,12 +533,13 @@ class Stats:
 
 def _log_transfer(f: _InFlight) -> None:
     res = f.transfer.result
-    logger.info("kvplane transfer %s %d %s %s: %d bytes, %s, %d descriptors, %.3f ms",
+    logger.info("kvplane transfer %s %d %s %s: %d bytes, %s, %d descriptors, %.3f ms%s",
                 f.order.xfer, f.order.attempt, f.order.kind,
                 "ok" if res is not None and res.ok else "failed",
                 res.nbytes if res is not None else 0, f.transfer.method,
                 res.descriptors if res is not None else 0,
-                (time.perf_counter() - f.started) * 1e3)
+                (time.perf_counter() - f.started) * 1e3,
+                f" (fallback {res.fallback})" if res is not None and res.fallback else "")
 
 
 class TransferThread:
