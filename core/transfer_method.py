@@ -37,6 +37,9 @@ Method = Literal["direct", "staged", "ipc"]
 # Where an IPC copy runs: both caches on the same GPU, or on two GPUs with peer access.
 IpcRoute = Literal["same-device", "peer-device"]
 STAGING_MARGIN = 0.9  # staged must be estimated at most 90% of direct to be chosen
+# The IPC copy's fixed cost (block ids to the GPU, the launch, the event, the notification):
+# what benchmarks/transfer_fragmented.py showed on one H200 (docs/measurements).
+IPC_FIXED_S = 0.2e-3
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvplane.core.transfer_method import Method, MethodCosts
+from kvplane.core.transfer_method import IPC_FIXED_S, Method, MethodCosts
 
 if TYPE_CHECKING:
     from kvplane.live.transport import Transfer, Transport
@@ -70,10 +70,8 @@ MAGIC = b"\x00kvplane-stage/1 "
 STAGED_FIXED_S = 1e-3
 PLAN_PER_RUN_S = 0.15e-6
 # The IPC copy (live/ipc.py) on one H200: payload moved by one pass of `index_select` over
-# 32 KiB rows (2 GiB in 1.21 ms, each byte read and written once); fixed: the piece table's
-# upload, the launch and the event, about what the staged path's control message costs.
+# 32 KiB rows (2 GiB in 1.21 ms, each byte read and written once); fixed: IPC_FIXED_S.
 IPC_GBPS = 1700.0
-IPC_FIXED_S = 0.2e-3
 DEFAULT_COSTS: dict[str, MethodCosts] = {
     "VRAM": MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.0e12,
                         round_trip=150e-6, chunk_bytes=256 << 20, overlap=True,
