@@ -17,12 +17,14 @@ How it works:
 - Mapping (`IpcSide.mapping`): the side that moves the bytes opens the peer's handles once per
   peer (`UntypedStorage._new_shared_cuda`, on its own device) and keeps them until the peer is
   removed. A peer in the same process needs no handle: its addresses are ours already.
-- Copy (`Copier.copy`): a table of (source, destination) addresses, one row per piece (one
-  block's bytes of one layer and K/V), built with numpy from the two block-id arrays, moved to
-  the GPU once; then one Triton kernel copies every piece (one pass: each byte read and written
-  once). Without Triton, or where the pieces are not 16-byte aligned, torch index ops per piece
-  group (`index_select` into a temporary, `index_copy_` out: two passes). The copy runs on a
-  side stream after what the caller's stream has queued, and returns an event to query.
+- Copy (`Copier.copy`): one Triton kernel copies every piece (one block's bytes of one layer
+  and K/V) from the source cache to the destination cache: one pass, each byte read and
+  written once. It gets each side's per-group base addresses and block ids (a few KiB, one
+  upload) and computes a piece's address itself (`piece_table` is the same rule in numpy,
+  tested on the CPU). Without Triton, or for pieces that are not multiples of 512 bytes:
+  torch index ops per piece group (`index_select` into a temporary, `index_copy_` out: two
+  passes). The copy runs on a side stream after what the caller's stream has queued, and
+  returns an event to query.
 
 Failures (no handle, a handle that does not open, a kernel that does not build) raise
 `IpcUnavailable`; the transport then uses its other methods and records the fallback.
