@@ -15,7 +15,12 @@ Layouts moved (the same bytes each time):
   its cost estimate), all posted as byte-run lists (`Transport.post`);
 - the same fragmented blocks posted at block level (`Transport.post_blocks`: planned from the
   two block-id arrays, a staged job carries only block ids): "bstaged" (forced staging),
-  "bauto" (the estimate's choice), "bdirect" (forced per-block descriptors).
+  "bauto" (the estimate's choice among NIXL's methods), "bdirect" (forced per-block
+  descriptors);
+- CUDA IPC copies (live/ipc.py, GPU memory only): the initiator maps the other process's cache
+  and one kernel copies every piece, no NIXL descriptor and no staging: "ipc" (the fragmented
+  blocks), "ipc-contiguous" (blocks 0..n-1), "iauto" (the estimate's choice with IPC
+  available).
 --layout cross-layer keeps all layers of a block together (vLLM's block-outermost BLHNC
 layout): one piece of layers x 2 x block bytes per block, so one descriptor per block.
 Each is timed as the median of --repeats from post to the receiver having the bytes in place
@@ -215,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=None, help="send (and receive) slots "
                     "(4 cuda, 8 cpu)")
     ap.add_argument("--ops", default="WRITE,READ")
-    ap.add_argument("--modes", default="contiguous,direct,staged,auto,bstaged,bauto",
+    ap.add_argument("--modes", default=None,
                     help="comma-separated: contiguous, direct, staged, auto (run lists), "
-                         "bdirect, bstaged, bauto (block level)")
+                         "bdirect, bstaged, bauto (block level), ipc, ipc-contiguous, iauto "
+                         "(CUDA IPC, cuda only); default: all that apply to the device")
     ap.add_argument("--layout", choices=["per-layer", "cross-layer"], default="per-layer",
                     help="per-layer: one (2, blocks, ...) tensor per layer (FlashAttention); "
                          "cross-layer: one (blocks, layers, 2, ...) tensor")
@@ -230,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     args.tokens = args.tokens or (16384 if args.device == "cuda" else 2048)
     args.slot_mib = args.slot_mib or (256 if args.device == "cuda" else 4)
     args.slots = args.slots or (4 if args.device == "cuda" else 8)
+    args.modes = args.modes or ("contiguous,direct,staged,auto,bstaged,bauto"
+                                + (",ipc,ipc-contiguous,iauto" if args.device == "cuda" else ""))
     if args.trace:
         os.environ["KVPLANE_STAGING_TRACE"] = "1"
     n = -(-args.tokens // args.block)
@@ -257,17 +265,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.tokens} tokens, {args.layers} layers x K/V x {n} blocks of {_piece(args)} B "
           f"= {nbytes / 2**20:.0f} MiB per transfer in {len(layout.bases) * n} pieces of "
           f"{layout.piece} B ({args.layout} cache), device {args.device}", flush=True)
+    ipc_side = t._ipc  # the IPC copier, present on GPU memory; off for NIXL's modes
     for op in args.ops.split(","):
         base_s = direct_s = None
         for mode in args.modes.split(","):
-            ours, theirs = contiguous if mode == "contiguous" else fragmented
+            flat = mode in ("contiguous", "ipc-contiguous")
+            ours, theirs = contiguous if flat else fragmented
             # WRITE: our blocks are the source; READ: our blocks are the destination.
-            blocks = mode.startswith("b")
+            blocks = mode.startswith(("b", "i"))
             runs = None if blocks else byte_runs(args, ours, theirs)
+            t._ipc = ipc_side if mode.startswith("i") else None
             t._staging = t._staging.__class__(
                 slot_bytes=args.slot_mib << 20, slots=args.slots, costs=t._staging.costs,
                 force={"contiguous": "direct", "direct": "direct", "staged": "staged",
-                       "bdirect": "direct", "bstaged": "staged"}.get(mode))
+                       "bdirect": "direct", "bstaged": "staged", "ipc": "ipc",
+                       "ipc-contiguous": "ipc"}.get(mode))
             if op == "WRITE":
                 _ask(here, t, "zero", theirs)
             else:
@@ -304,18 +316,21 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(times)
             base_s = med if mode == "contiguous" else base_s
             direct_s = med if mode == "direct" else direct_s
-            row = {"op": op, "layout": "contiguous" if mode == "contiguous" else "fragmented",
+            kernel = ipc_side.copier.last if ipc_side is not None and method == "ipc" else ""
+            row = {"op": op, "layout": "contiguous" if flat else "fragmented",
                    "cache": args.layout, "mode": mode, "method": method,
                    "descriptors": descs, "median_ms": med * 1e3, "GBps": nbytes / med / 1e9,
                    "vs_contiguous": med / base_s if base_s else None,
                    "speedup_vs_direct": direct_s / med if direct_s else None,
-                   "verified": verified, "bytes": nbytes}
+                   "verified": verified, "bytes": nbytes, "ipc_kernel": kernel}
             rows.append(row)
             ratio = f"{row['vs_contiguous']:.2f}x" if base_s else "-"
             gain = f"{row['speedup_vs_direct']:.1f}x" if direct_s else "-"
-            print(f"{op:5} {mode:10} {method:6} {descs:7d} desc  {med * 1e3:9.2f} ms  "
+            print(f"{op:5} {mode:14} {method:6} {descs:7d} desc  {med * 1e3:9.2f} ms  "
                   f"{row['GBps']:8.2f} GB/s  {ratio:>7} of contiguous time  {gain:>6} "
-                  f"faster than per-run  bytes {'ok' if verified else 'DIFFER'}", flush=True)
+                  f"faster than per-run  bytes {'ok' if verified else 'DIFFER'}"
+                  f"{'  kernel ' + kernel if kernel else ''}", flush=True)
+    t._ipc = ipc_side
     if args.trace and t._stager is not None:
         _print_trace(t._stager.trace or [], _ask(here, t, "trace") or [])
     _ask(here, t, "stop")

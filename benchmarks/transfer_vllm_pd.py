@@ -2,7 +2,9 @@
 
 One prefill and one decode vLLM server with KvplaneConnector per transfer method (`--variants`:
 `direct` forces one NIXL descriptor per merged run, `staged` forces the gather / one WRITE per
-slot / scatter path, `auto` lets the transport choose per transfer from its estimate; set
+slot / scatter path, `ipc` the CUDA IPC copy (live/ipc.py: one kernel from one server's cache
+into the other's, GPU only), `auto` lets the transport choose per transfer from its estimate
+(IPC included where both servers share a host and GPU); set
 through the servers' `KVPLANE_STAGING`, docs/deploy.md), plus a plain server (no connector) for
 the greedy reference, all on one device, with `kvplane router` in front of each pair. The model
 has a real model's per-layer KV geometry (default: Llama-3-8B's, 32 layers x 8 KV heads x 128,
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--variants", nargs="+", default=["direct", "staged", "auto"],
-                    choices=["direct", "staged", "auto"])
+                    choices=["direct", "staged", "auto", "ipc"])
     ap.add_argument("--modes", nargs="+", default=["pull", "push", "bidirectional"],
                     choices=["pull", "push", "bidirectional"])
     ap.add_argument("--tokens", type=int, default=16000, help="prompt tokens of each exchange")

@@ -533,12 +533,13 @@ class Stats:
 
 def _log_transfer(f: _InFlight) -> None:
     res = f.transfer.result
-    logger.info("kvplane transfer %s %d %s %s: %d bytes, %s, %d descriptors, %.3f ms",
+    logger.info("kvplane transfer %s %d %s %s: %d bytes, %s, %d descriptors, %.3f ms%s",
                 f.order.xfer, f.order.attempt, f.order.kind,
                 "ok" if res is not None and res.ok else "failed",
                 res.nbytes if res is not None else 0, f.transfer.method,
                 res.descriptors if res is not None else 0,
-                (time.perf_counter() - f.started) * 1e3)
+                (time.perf_counter() - f.started) * 1e3,
+                f" (fallback {res.fallback})" if res is not None and res.fallback else "")
 
 
 class TransferThread:
@@ -841,6 +842,9 @@ class WorkerHalf:
                                    staging=staging_for(first.flat))
         for r in regions:
             self.transport.register(r.flat)
+        # IPC copies (GPU memory, a peer on this host): build the copy kernel for this
+        # cache's pieces now, not on the first transfer
+        self.transport.warm_up_ipc(geometry.layout().piece)
         logger.info("kvplane %s rank %d: registered %d layers x %d blocks of %d bytes "
                     "(stride %d, %s) with NIXL %s; inside a block: %s", self.instance,
                     self.rank, len(regions), first.num_blocks, first.block_bytes,

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvplane.core.transfer_method import Method, MethodCosts
+from kvplane.core.transfer_method import IPC_FIXED_S, Method, MethodCosts
 
 if TYPE_CHECKING:
     from kvplane.live.transport import Transfer, Transport
@@ -69,10 +69,14 @@ MAGIC = b"\x00kvplane-stage/1 "
 # module's own software (docs/measurements/transfer-fragmented-h200.md).
 STAGED_FIXED_S = 1e-3
 PLAN_PER_RUN_S = 0.15e-6
+# The IPC copy (live/ipc.py) on one H200: payload moved by one pass of `index_select` over
+# 32 KiB rows (2 GiB in 1.21 ms, each byte read and written once); fixed: IPC_FIXED_S.
+IPC_GBPS = 1700.0
 DEFAULT_COSTS: dict[str, MethodCosts] = {
     "VRAM": MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.0e12,
                         round_trip=150e-6, chunk_bytes=256 << 20, overlap=True,
-                        staged_fixed=STAGED_FIXED_S, plan_per_run=PLAN_PER_RUN_S),
+                        staged_fixed=STAGED_FIXED_S, plan_per_run=PLAN_PER_RUN_S,
+                        ipc_bandwidth=IPC_GBPS * 1e9, ipc_fixed=IPC_FIXED_S),
     "DRAM": MethodCosts(bandwidth=5.5e9, per_descriptor=1.9e-6, copy_bandwidth=5.0e9,
                         round_trip=200e-6, chunk_bytes=4 << 20, overlap=False,
                         staged_fixed=STAGED_FIXED_S, plan_per_run=PLAN_PER_RUN_S),
@@ -95,8 +99,9 @@ class StagingConfig:
     def __post_init__(self) -> None:
         if self.slot_bytes <= 0 or self.slots <= 0:
             raise ValueError("slot_bytes and slots must be positive")
-        if self.force not in (None, "direct", "staged"):
-            raise ValueError(f"force must be 'direct', 'staged' or None, not {self.force!r}")
+        if self.force not in (None, "direct", "staged", "ipc"):
+            raise ValueError(f"force must be 'direct', 'staged', 'ipc' or None, not "
+                             f"{self.force!r}")
 
 
 STAGING_ENV = "KVPLANE_STAGING"
@@ -107,16 +112,19 @@ def staging_for(buffer: Any, setting: str | None = None) -> StagingConfig | None
     default the environment variable KVPLANE_STAGING): "auto" (the default: on for GPU memory,
     where descriptors cost most and copies are cheap; off for host memory), "on" (both; the
     estimate decides per transfer), "staged" or "direct" (pool registered, one method always:
-    tests and benchmarks), "off". Host memory gets small slots (4 x 4 MiB), GPU memory
+    tests and benchmarks; never IPC), "ipc" (the IPC copy wherever the peer's cache can be
+    mapped, else the estimate), "off" (no staging; IPC copies stay possible unless
+    KVPLANE_IPC=off, live/ipc.py). Host memory gets small slots (4 x 4 MiB), GPU memory
     4 x 256 MiB (2 GiB per worker, half to send, half to receive: on an H200 fewer, larger
     chunks cost less Python per byte; docs/measurements/transfer-fragmented-h200.md)."""
     value = (setting if setting is not None else os.environ.get(STAGING_ENV, "auto")).lower()
-    if value not in ("auto", "on", "off", "staged", "direct"):
-        raise ValueError(f"{STAGING_ENV}={value!r}: expected auto, on, off, staged or direct")
+    if value not in ("auto", "on", "off", "staged", "direct", "ipc"):
+        raise ValueError(f"{STAGING_ENV}={value!r}: expected auto, on, off, staged, direct "
+                         "or ipc")
     gpu = _is_torch(buffer) and buffer.device.type == "cuda"
     if value == "off" or (value == "auto" and not gpu):
         return None
-    force: Method | None = value if value in ("staged", "direct") else None  # type: ignore[assignment]
+    force: Method | None = value if value in ("staged", "direct", "ipc") else None  # type: ignore[assignment]
     return StagingConfig(slot_bytes=(256 if gpu else 4) << 20, slots=4, force=force)
 
 
@@ -141,6 +149,10 @@ def costs_from_profile(path: str | Path, *, chunk_bytes: int, overlap: bool) -> 
             overlap=overlap,
             staged_fixed=STAGED_FIXED_S,
             plan_per_run=PLAN_PER_RUN_S,
+            # GPU memory only: a host-memory profile has no IPC copy
+            ipc_bandwidth=(val("ipc_copy_GBps") if "ipc_copy_GBps" in m else IPC_GBPS) * 1e9
+            if overlap else 0.0,
+            ipc_fixed=IPC_FIXED_S if overlap else 0.0,
         )
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as exc:
         raise ValueError(f"{path}: not a calibration profile with nixl_measured "

@@ -54,11 +54,21 @@ its WRITE are carried out as WRITEs by the side that holds the data, and either 
 when the bytes are in place on the receiver (as a direct transfer). `TransferResult.method`
 says which was used; `busy` is true while staged jobs (ours or a peer's) are under way, when a
 polling loop should not back off (each step of a staged transfer waits for the next poll).
+
+IPC copies (live/ipc.py): on GPU memory the transport also exports CUDA IPC handles of its KV
+regions in its handshake (`PeerInfo.ipc`; off with KVPLANE_IPC=off). For a block transfer
+(`post_blocks`) to a peer on the same host whose GPU we reach, the estimate may choose "ipc":
+we map the peer's cache (once per peer, dropped by `remove_peer`) and one kernel copies the
+blocks, for a WRITE from our cache into the peer's and for a READ the other way; when its
+event is done the notification goes over NIXL as for any WRITE, so the peer's completion rules
+do not change. Any failure falls back to the estimate's other methods for that peer, recorded
+(`fallbacks()`, `TransferResult.fallback`); run lists (`post`) never go by IPC.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import logging
 import math
@@ -72,6 +82,7 @@ from typing import Any, Literal, Self
 
 from kvplane.core.errors import PeerError
 from kvplane.core.transfer_method import choose
+from kvplane.live import ipc as ipc_copy
 from kvplane.live.nixl_env import import_nixl_api, nixl_errors
 from kvplane.live.staging import (
     DEFAULT_COSTS,
@@ -133,6 +144,7 @@ class PeerInfo:
     granule: int
     regions: tuple[Region, ...]
     staging_slot: int = 0  # bytes of one staging slot; 0: no staging
+    ipc: dict[str, Any] | None = None  # CUDA IPC export of the KV regions (live/ipc.py)
 
     @property
     def size(self) -> int:
@@ -148,6 +160,7 @@ class PeerInfo:
                 "granule": self.granule,
                 "regions": [[r.address, r.length, r.device] for r in self.regions],
                 "staging_slot": self.staging_slot,
+                **({"ipc": self.ipc} if self.ipc else {}),
             }
         ).encode()
 
@@ -164,7 +177,10 @@ class PeerInfo:
                 granule=int(d["granule"]),
                 regions=tuple(Region(int(a), int(n), int(dev)) for a, n, dev in d["regions"]),
                 staging_slot=int(d.get("staging_slot", 0)),
+                ipc=d.get("ipc"),
             )
+            if info.ipc is not None and not isinstance(info.ipc, dict):
+                raise ValueError("ipc must be an object")
         except (ValueError, KeyError, TypeError) as exc:
             raise PeerError(f"unreadable handshake: {exc}") from exc
         if info.mem_kind not in ("DRAM", "VRAM") or info.granule <= 0:
@@ -180,7 +196,8 @@ class TransferResult:
     nbytes: int
     descriptors: int  # after merging runs and cutting them at region boundaries (staged: slots)
     reason: str = ""
-    method: str = "direct"  # "direct" (one descriptor per run) or "staged"
+    method: str = "direct"  # "direct" (one descriptor per run), "staged" or "ipc"
+    fallback: str = ""  # why the estimate's first choice (ipc) was not used, if it was not
 
     @property
     def ok(self) -> bool:
@@ -204,12 +221,32 @@ class Transfer:
     handle: Any = None
     result: TransferResult | None = None
     method: str = "direct"
+    fallback: str = ""
 
     def finish(self, status: Status, reason: str = "") -> TransferResult:
         if self.result is None:  # the first outcome stands
             self.result = TransferResult(status, self.peer, self.op, self.nbytes,
-                                         self.descriptors, reason, self.method)
+                                         self.descriptors, reason, self.method, self.fallback)
         return self.result
+
+
+@dataclass(slots=True)
+class _IpcJob:
+    """An IPC copy in flight: its event, and the notification to send once it is done."""
+
+    event: Any
+    notify: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """A transfer that could not use the method the estimate chose (ipc) and used another."""
+
+    peer: str
+    chosen: str
+    used: str
+    reason: str
+    at: float
 
 
 @dataclass(slots=True)
@@ -289,8 +326,9 @@ def _count_merged(arr: Any, local: Sequence[Region], remote: Sequence[Region]) -
     return total
 
 
-def _boundaries(regions: Sequence[Region]) -> list[int]:
-    out, pos = [], 0
+def _boundaries(regions: Sequence[Region], *, start: bool = False) -> list[int]:
+    """Where each region ends in the offset space (with `start`: 0 first, then the ends)."""
+    out, pos = [0] if start else [], 0
     for reg in regions:
         pos += reg.length
         out.append(pos)
@@ -348,7 +386,8 @@ class Transport:
 
     def __init__(self, name: str, *, granule: int = DEFAULT_GRANULE,
                  progress_thread: bool = False, thread_safe: bool = False,
-                 staging: StagingConfig | None = None, backend: str = "UCX") -> None:
+                 staging: StagingConfig | None = None, backend: str = "UCX",
+                 ipc: bool | None = None) -> None:
         if granule <= 0:
             raise TransportError("granule must be positive")
         backend = nixl_backend(backend)
@@ -379,6 +418,12 @@ class Transport:
         self._staging = staging
         self._stager: Stager | None = None
         self._slot_bytes = 0
+        # IPC copies (live/ipc.py): wanted unless KVPLANE_IPC=off; made when the layout
+        # freezes, for GPU memory only.
+        self._ipc_wanted = ipc_copy.enabled() if ipc is None else ipc
+        self._ipc: ipc_copy.IpcSide | None = None
+        self._fallbacks: collections.deque[Fallback] = collections.deque(maxlen=256)
+        self._ipc_pending = 0
 
     # ---- memory and handshake -------------------------------------------------------------
 
@@ -391,7 +436,7 @@ class Transport:
     def busy(self) -> bool:
         """Staged jobs are under way (ours or a peer's): a polling loop should not back off
         now, since every step of a staged transfer waits for the next poll."""
-        return self._stager is not None and bool(self._stager.jobs)
+        return (self._stager is not None and bool(self._stager.jobs)) or self._ipc_pending > 0
 
     @property
     def mem_kind(self) -> MemKind:
@@ -422,18 +467,25 @@ class Transport:
             self._freeze()
             return PeerInfo(self.name, bytes(self._agent.get_agent_metadata()), self.mem_kind,
                             self.granule, tuple(r.region for r in self._regions),
-                            self._slot_bytes)
+                            self._slot_bytes,
+                            self._ipc.export if self._ipc is not None else None)
 
     def _freeze(self) -> None:
         """The layout is final: add the staging pool (once) as the last region."""
         if self._frozen:
             return
         self._frozen = True
+        buffers = [r.keepalive for r in self._regions]
+        if self._ipc_wanted and self.mem_kind == "VRAM" and buffers:
+            try:
+                self._ipc = ipc_copy.IpcSide(buffers, warm_up=self.granule)
+            except Exception as exc:  # noqa: BLE001 - no IPC then; every other method stays
+                logger.info("%s: no CUDA IPC export (%s: %s); transfers use NIXL", self.name,
+                            type(exc).__name__, exc)
         cfg = self._staging
         if cfg is None or not self._regions:
             return
         slot = max(self.granule, cfg.slot_bytes // self.granule * self.granule)
-        buffers = [r.keepalive for r in self._regions]
         pool = allocate_pool(buffers[0], 2 * cfg.slots * slot)
         region, kind = _describe_buffer(pool)
         start = self.size
@@ -488,6 +540,8 @@ class Transport:
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             p = self._peers.pop(peer, None)
+            if self._ipc is not None:
+                self._ipc.forget(peer)
             if p is None:
                 return
             self._quietly(p.remote_dlist.release)
@@ -579,8 +633,22 @@ class Transport:
                 t.finish(Status.DONE)
                 return t
             chunk = min(self._slot_bytes, p.info.staging_slot) // local.piece * local.piece
-            if chunk and self.method_for(peer, nbytes, t.descriptors, runs=len(lid),
-                                         op=op) == "staged":
+            method = self.method_for(peer, nbytes, t.descriptors, runs=len(lid), op=op,
+                                     blocks=True)
+            if method == "ipc":
+                reason = self._post_ipc(t, p, op, local, lid, remote, rid, notify)
+                if not reason:
+                    return t
+                # the peer is now off IPC: the estimate picks among the other methods
+                method = self.method_for(peer, nbytes, t.descriptors, runs=len(lid), op=op,
+                                         blocks=True)
+                if method == "staged" and not chunk:
+                    method = "direct"
+                t.fallback = f"ipc -> {method}: {reason}"
+                self._fallbacks.append(Fallback(peer, "ipc", method, reason, time.time()))
+                logger.warning("%s: IPC copy to %s not possible, using %s from now on: %s",
+                               self.name, peer, method, reason)
+            if chunk and method == "staged":
                 assert self._stager is not None
                 t.method, t.descriptors = "staged", -(-nbytes // chunk)
                 self._stager.post_blocks(peer, op, local, lid, remote, rid, notify, t, chunk,
@@ -636,21 +704,106 @@ class Transport:
             t.finish(Status.DONE)
 
     def method_for(self, peer: str, nbytes: int, descriptors: int, *, runs: int = -1,
-                   op: str = "WRITE") -> str:
-        """"direct" or "staged": what `post` would do for a transfer of this shape. A READ
-        (we receive) finds no staging when every receive slot is parked after a failed job
-        (they rest for `stale_s`): it then goes direct rather than waiting for them."""
+                   op: str = "WRITE", blocks: bool = False) -> str:
+        """"direct", "staged" or "ipc": what `post` (`post_blocks` with `blocks`) would do for
+        a transfer of this shape. "ipc" only for block transfers to a peer whose cache this
+        process can map (`ipc_route`). A READ (we receive) finds no staging when every receive
+        slot is parked after a failed job (they rest for `stale_s`): it then goes direct
+        rather than waiting for them."""
         cfg, p = self._staging, self._peers.get(peer)
         available = (self._stager is not None and p is not None and p.info.staging_slot > 0)
-        if cfg is not None and cfg.force is not None:
-            return cfg.force if available else "direct"
-        if cfg is None:
-            return "direct"
+        route = self.ipc_route(peer) if blocks else None
+        force = cfg.force if cfg is not None else None
+        if force == "ipc" and route is not None:
+            return "ipc"
+        if force in ("direct", "staged"):
+            return force if available else "direct"
         if op == "READ" and self._stager is not None and self._stager.parked():
             available = False
-        costs = cfg.costs or DEFAULT_COSTS[self.mem_kind]
+        costs = (cfg.costs if cfg is not None else None) or DEFAULT_COSTS[self.mem_kind]
         return choose(costs, nbytes, descriptors, staging_available=available,
-                      runs=descriptors if runs < 0 else runs)
+                      runs=descriptors if runs < 0 else runs, ipc=route)
+
+    def ipc_route(self, peer: str) -> str | None:
+        """How an IPC copy reaches the peer's cache ("same-device", "peer-device"), or None:
+        not GPU memory, KVPLANE_IPC=off, another host or an unreachable GPU, no export on
+        either side, or an earlier IPC failure with this peer."""
+        p = self._peers.get(peer)
+        if self._ipc is None or p is None:
+            return None
+        return self._ipc.route(peer, p.info.ipc)
+
+    def warm_up_ipc(self, piece: int) -> None:
+        """Build the IPC copy kernel for blocks of `piece`-byte pieces now (freezes the layout),
+        so that the first IPC transfer does not wait for it. Nothing without IPC."""
+        with self._lock:
+            self._freeze()
+            if self._ipc is not None:
+                self._ipc.warm_up(piece)
+
+    def fallbacks(self) -> list[Fallback]:
+        """The latest transfers that could not use the method chosen first (ipc), oldest
+        first (kept: the last 256)."""
+        with self._lock:
+            return list(self._fallbacks)
+
+    def _post_ipc(self, t: Transfer, p: _Peer, op: str, local: BlockLayout, lid: Any,
+                  remote: BlockLayout, rid: Any, notify: bytes) -> str:
+        """Start the copy kernel; "" when started, else why not (the peer is then marked off
+        IPC). Never raises: any failure falls back to NIXL."""
+        assert self._ipc is not None
+        try:
+            m = self._ipc.mapping(t.peer, p.info.ipc or {})
+            kv = self._regions[:-1] if self._stager is not None else self._regions
+            peer_kv = p.info.regions[:-1] if p.info.staging_slot > 0 else p.info.regions
+            if len(m.addresses) != len(peer_kv) or any(
+                    n < r.length for n, r in zip(m.lengths, peer_kv, strict=True)):
+                raise ipc_copy.IpcUnavailable(
+                    f"the peer's IPC export ({len(m.addresses)} regions) does not cover its "
+                    f"{len(peer_kv)} registered KV regions")
+            ours = ipc_copy.Side(
+                ipc_copy.group_addresses(local.bases, local.span,
+                                         _boundaries([r.region for r in kv], start=True),
+                                         [r.region.address for r in kv]),
+                local.stride, local.num_blocks, lid)
+            theirs = ipc_copy.Side(
+                ipc_copy.group_addresses(remote.bases, remote.span,
+                                         _boundaries(peer_kv, start=True), m.addresses),
+                remote.stride, remote.num_blocks, rid)
+            src, dst = (ours, theirs) if op == "WRITE" else (theirs, ours)
+            event, _how = self._ipc.copier.copy(src, dst, local.piece)
+        except Exception as exc:  # noqa: BLE001 - never into vLLM: NIXL moves it instead
+            reason = (str(exc) if isinstance(exc, ipc_copy.IpcUnavailable)
+                      else f"{type(exc).__name__}: {exc}")
+            self._ipc.broken[t.peer] = reason
+            return reason
+        t.method, t.descriptors = "ipc", 1
+        t.handle = _IpcJob(event, notify)
+        self._ipc_pending += 1
+        return ""
+
+    def _poll_ipc(self, t: Transfer) -> Status:
+        """The copy's event; once it is done, the notification (as a WRITE's arrives after its
+        data), then DONE."""
+        job, status = t.handle, Status.PENDING
+        if not isinstance(job, _IpcJob):
+            return t.result.status if t.result else Status.FAILED
+        try:
+            done = job.event is None or bool(job.event.query())
+        except Exception as exc:  # noqa: BLE001 - a CUDA error: the transfer failed
+            t.handle = None
+            self._ipc_pending -= 1
+            t.finish(Status.FAILED, f"IPC copy failed: {_why(exc)}")
+            return Status.FAILED
+        if not done:
+            return status
+        t.handle = None
+        self._ipc_pending -= 1
+        if job.notify and not self._agent_notify(t.peer, job.notify):
+            t.finish(Status.FAILED, "copied, but the notification could not be sent")
+        else:
+            t.finish(Status.DONE)
+        return t.result.status if t.result else Status.FAILED
 
     def poll(self, transfer: Transfer) -> Status:
         """One non-blocking look at a transfer; also drains notifications into the inbox."""
@@ -660,6 +813,8 @@ class Transport:
             self._drain()
             if transfer.method == "staged":  # the stager finishes it
                 return transfer.result.status if transfer.result else Status.PENDING
+            if transfer.method == "ipc":
+                return self._poll_ipc(transfer)
             try:
                 state = self._agent.check_xfer_state(transfer.handle)
             except self._errors as exc:
@@ -884,6 +1039,9 @@ class Transport:
         if transfer.method == "staged":
             if self._stager is not None:
                 self._stager.cancel(h, "the caller gave up waiting")
+            return
+        if transfer.method == "ipc":  # a kernel cannot be cancelled; it ends on its own
+            self._ipc_pending -= 1
             return
         self._quietly(h.release)
 

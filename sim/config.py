@@ -244,6 +244,12 @@ class ConnectorSettings(_Config):
         "into slots, one descriptor per slot, scattered), whichever the estimate of "
         "kvplane.core.transfer_method finds cheaper; posts are priced with the transfer",
     )
+    transfer_ipc: Literal["off", "same-device", "peer-device"] = Field(
+        default="off",
+        description="prefill and decode on one host: kvplane's transport may copy a transfer's "
+        "blocks with one kernel over CUDA IPC (same-device: one GPU; peer-device: two GPUs "
+        "with peer access, capped by the link), when the same estimate finds it cheapest",
+    )
 
 
 # --- workloads ------------------------------------------------------------------------------------

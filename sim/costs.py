@@ -23,6 +23,11 @@ Rules kept here:
   (bandwidth, per-descriptor post and wire cost, latency) and the device (a copy reads and
   writes every byte: HBM bandwidth x utilization / 2). That transport posts from its own
   thread, so with staging on the post is priced with the transfer, never in an engine loop.
+- IPC (`SimCosts(ipc="same-device" | "peer-device")`, the scenario's `connector.transfer_ipc`):
+  prefill and decode on one host, so kvplane's transport may copy a transfer's blocks with one
+  kernel from one cache into the other (CUDA IPC), chosen by the same rule when its estimate
+  is cheapest: a fixed cost plus the bytes at the copy's bandwidth (one read and one write of
+  each byte, as a gather), capped by the link between two GPUs. Also posted off the engine loop.
 
 How a step is priced (roofline with fixed costs):
     step = step_overhead + all-reduce(tokens) + max(FLOPs / (peak * tp * mfu),
@@ -39,7 +44,15 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from kvplane.core.plan import KVLayout
-from kvplane.core.transfer_method import Method, MethodCosts, choose, staged_time
+from kvplane.core.transfer_method import (
+    IPC_FIXED_S,
+    IpcRoute,
+    Method,
+    MethodCosts,
+    choose,
+    ipc_time,
+    staged_time,
+)
 
 from .profiles import DTYPE_BYTES, CalibrationProfile, HardwareProfile, ModelProfile
 
@@ -562,7 +575,8 @@ class TransferCost:
 
     def method_costs(self, copy_bandwidth: float,
                      chunk_bytes: int = STAGING_SLOT_BYTES) -> MethodCosts:
-        """The inputs of the direct-versus-staged rule, for this link."""
+        """The inputs of the direct / staged / IPC rule, for this link (the IPC copy moves
+        each byte once each way, as a gather does)."""
         return MethodCosts(
             bandwidth=self.bandwidth_per_rank,
             per_descriptor=self.post_per_descriptor + self.wire_per_descriptor,
@@ -572,16 +586,23 @@ class TransferCost:
             overlap=True,  # GPU copies run on a side stream beside the wire
             staged_fixed=STAGED_FIXED_S,
             plan_per_run=PLAN_PER_RUN_S,
+            ipc_bandwidth=copy_bandwidth,
+            ipc_fixed=IPC_FIXED_S,
         )
 
     def chosen_transfer(self, bytes_per_rank: float, descriptors: int,
-                        costs: MethodCosts, blocks: int | None = None) -> tuple[Method, float]:
+                        costs: MethodCosts, blocks: int | None = None, *,
+                        staging: bool = True,
+                        ipc: IpcRoute | None = None) -> tuple[Method, float]:
         """Post plus wire by the method the live transport would choose, and that method.
         `blocks`: what the staged path plans per item (the live connector plans from block
         ids; None: per descriptor, as a run list would be)."""
         planned = descriptors if blocks is None else blocks
-        method = choose(costs, int(bytes_per_rank), descriptors, staging_available=True,
-                        runs=planned)
+        method = choose(costs, int(bytes_per_rank), descriptors, staging_available=staging,
+                        runs=planned, ipc=ipc)
+        if method == "ipc":  # the copy, then the notification across
+            return method, ipc_time(costs, int(bytes_per_rank), ipc or "same-device") + (
+                self.latency)
         if method == "staged":
             return method, self.post_fixed + self.latency + staged_time(
                 costs, int(bytes_per_rank), planned)
@@ -648,6 +669,7 @@ class SimCosts:
         reserve_bytes: float = 4.0e9,
         calibration: CalibrationProfile | None = None,
         staging: bool = False,
+        ipc: IpcRoute | None = None,
     ) -> None:
         self.model = model
         self.hardware = hardware
@@ -658,6 +680,9 @@ class SimCosts:
                                   expert_parallel)
         self.transfer = TransferCost(hardware, link, self.calibration)
         self.staging = staging
+        self.ipc = ipc
+        # the transport chooses per transfer (and posts off the engine loop) with either
+        self.choosing = staging or ipc is not None
         # a staged transfer's gather and scatter stream the KV through HBM: read + write
         copy_bandwidth = (hardware.device.hbm_bandwidth.value
                           * self.calibration.memory_bandwidth_utilization.value / 2.0)
@@ -683,6 +708,8 @@ class SimCosts:
             reserve_bytes=engine.activation_reserve_bytes,
             calibration=calibration_for(scenario),
             staging=scenario.connector.transfer_staging,
+            ipc=(None if scenario.connector.transfer_ipc == "off"
+                 else scenario.connector.transfer_ipc),
         )
 
     # -- the engine's protocol ---------------------------------------------------------------------
@@ -715,17 +742,18 @@ class SimCosts:
     def descriptor_prep_time(self, descriptors: int, inline: bool) -> float:
         tp = self.decode.tp if inline else self.prefill.tp
         per_rank = -(-self._regions(descriptors) // tp)
-        if self.staging:  # the post belongs to the chosen method: see transfer_time
+        if self.choosing:  # the post belongs to the chosen method: see transfer_time
             return self.transfer.prepare_time(per_rank)
         return self.transfer.prepare_time(per_rank) + self.transfer.post_time(per_rank)
 
     def transfer_time(self, nbytes: int, descriptors: int, streams: int) -> float:
         streams = max(1, streams)
         per_stream = -(-self._regions(descriptors) // streams)
-        if self.staging:
+        if self.choosing:
             return self.transfer.chosen_transfer(nbytes / streams, per_stream,
                                                  self.method_costs,
-                                                 self._blocks(per_stream))[1]
+                                                 self._blocks(per_stream),
+                                                 staging=self.staging, ipc=self.ipc)[1]
         return self.transfer.wire_time(nbytes / streams, per_stream)
 
     def _blocks(self, descriptors: int) -> int:
@@ -735,13 +763,15 @@ class SimCosts:
         return max(1, -(-descriptors // (g.num_layers * g.parts)))
 
     def transfer_method(self, nbytes: int, descriptors: int, streams: int) -> Method:
-        """"direct" or "staged": what transfer_time priced (always "direct" without staging)."""
-        if not self.staging:
+        """"direct", "staged" or "ipc": what transfer_time priced (always "direct" without
+        staging or IPC)."""
+        if not self.choosing:
             return "direct"
         streams = max(1, streams)
         per_stream = -(-self._regions(descriptors) // streams)
         return self.transfer.chosen_transfer(nbytes / streams, per_stream, self.method_costs,
-                                             self._blocks(per_stream))[0]
+                                             self._blocks(per_stream), staging=self.staging,
+                                             ipc=self.ipc)[0]
 
     def handshake_time(self) -> float:
         """First contact: metadata round trip, add_remote_agent, and preparing the peer's

@@ -1,4 +1,4 @@
-"""The direct-versus-staged rule that the live transport and the simulator share."""
+"""The direct / staged / IPC rule that the live transport and the simulator share."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvplane.core.transfer_method import (
     MethodCosts,
     choose,
     direct_time,
+    ipc_time,
     staged_time,
 )
 
@@ -84,3 +85,72 @@ def test_block_level_planning_is_charged_per_block_not_per_descriptor() -> None:
     assert choose(slow_plan, nbytes, descriptors, staging_available=True,
                   runs=blocks) == "staged"
     assert staged_time(slow_plan, nbytes, blocks) < direct_time(slow_plan, nbytes, descriptors)
+
+
+# ---- the IPC copy (both caches GPU memory on one host, the peer's cache mapped) -----------------
+
+# One H200: a one-pass copy kernel moves about 1.7 TB/s of payload (read once, written once).
+GPU_IPC = MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.5e12,
+                      round_trip=100e-6, chunk_bytes=256 * MiB, overlap=True,
+                      ipc_bandwidth=1.7e12, ipc_fixed=200e-6)
+
+
+def test_ipc_is_chosen_only_where_a_route_exists() -> None:
+    assert choose(GPU_IPC, 2 << 30, 65536, staging_available=True) == "staged"
+    assert choose(GPU_IPC, 2 << 30, 65536, staging_available=True,
+                  ipc="same-device") == "ipc"
+    # no IPC bandwidth in the costs (host memory, an uncalibrated path): never IPC
+    assert choose(GPU, 2 << 30, 65536, staging_available=True, ipc="same-device") == "staged"
+    assert choose(HOST, 256 * MiB, 65536, staging_available=True, ipc="same-device") == "staged"
+
+
+def test_ipc_wins_contiguous_transfers_on_one_gpu_too() -> None:
+    # 64 descriptors of 32 MiB: direct is cheap, but the copy kernel skips NIXL altogether
+    assert choose(GPU_IPC, 2 << 30, 64, staging_available=True, ipc="same-device") == "ipc"
+    assert choose(GPU_IPC, 2 << 30, 64, staging_available=True) == "direct"
+
+
+def test_ipc_between_two_gpus_is_capped_by_the_link() -> None:
+    n = 2 << 30
+    assert ipc_time(GPU_IPC, n, "same-device") == pytest.approx(200e-6 + n / 1.7e12)
+    assert ipc_time(GPU_IPC, n, "peer-device") == pytest.approx(200e-6 + n / 200e9)
+    # a fixed cost above what a contiguous transfer's 64 descriptors cost: direct keeps it
+    slow = MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.5e12,
+                       round_trip=100e-6, chunk_bytes=256 * MiB, overlap=True,
+                       ipc_bandwidth=1.7e12, ipc_fixed=1e-3)
+    assert choose(slow, n, 64, staging_available=True, ipc="peer-device") == "direct"
+    assert choose(slow, n, 64, staging_available=True, ipc="same-device") == "ipc"
+    # fragmented: IPC still skips the 65,536 descriptors and both staging copies
+    assert choose(GPU_IPC, n, 65536, staging_available=True, ipc="peer-device") == "ipc"
+
+
+def test_a_tiny_transfer_stays_direct_when_the_ipc_fixed_cost_exceeds_it() -> None:
+    slow = MethodCosts(bandwidth=200e9, per_descriptor=6.4e-6, copy_bandwidth=1.5e12,
+                       round_trip=100e-6, chunk_bytes=256 * MiB, overlap=True,
+                       ipc_bandwidth=1.7e12, ipc_fixed=1e-3)
+    assert choose(slow, 64 * 1024, 2, staging_available=True, ipc="same-device") == "direct"
+    assert ipc_time(slow, 0, "same-device") == 0.0
+
+
+def test_negative_ipc_costs_are_refused() -> None:
+    with pytest.raises(ValueError, match="ipc"):
+        MethodCosts(bandwidth=1.0, per_descriptor=0.0, copy_bandwidth=1.0, round_trip=0.0,
+                    chunk_bytes=1, overlap=True, ipc_fixed=-1.0)
+
+
+@given(nbytes=st.integers(1, 1 << 34), descriptors=st.integers(1, 1 << 18),
+       staging=st.booleans(), route=st.sampled_from([None, "same-device", "peer-device"]))
+def test_the_choice_is_the_cheapest_estimate(nbytes: int, descriptors: int, staging: bool,
+                                            route: str | None) -> None:
+    method = choose(GPU_IPC, nbytes, descriptors, staging_available=staging,
+                    ipc=route)  # type: ignore[arg-type]
+    if route is None:
+        assert method != "ipc"
+        return
+    ipc_s = ipc_time(GPU_IPC, nbytes, route)  # type: ignore[arg-type]
+    if method == "ipc":
+        assert ipc_s <= direct_time(GPU_IPC, nbytes, descriptors)
+    else:
+        other = (staged_time(GPU_IPC, nbytes, descriptors) if method == "staged"
+                 else direct_time(GPU_IPC, nbytes, descriptors))
+        assert other <= ipc_s

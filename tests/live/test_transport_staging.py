@@ -7,6 +7,8 @@ checked where it landed. No test asserts a duration (benchmarks/transfer_fragmen
 
 from __future__ import annotations
 
+import base64
+import json
 import multiprocessing as mp
 import os
 import time
@@ -18,7 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvplane.core.errors import PeerError
 from kvplane.core.transfer_method import MethodCosts
+from kvplane.live.ipc import IpcSide
+from kvplane.live.ipc import host_id as ipc_host_id
 from kvplane.live.staging import (
     BlockLayout,
     StagingConfig,
@@ -30,7 +35,7 @@ from kvplane.live.staging import (
     granules_of,
     staging_for,
 )
-from kvplane.live.transport import Status, Transport, TransportError
+from kvplane.live.transport import PeerInfo, Status, Transport, TransportError
 
 pytestmark = pytest.mark.live
 
@@ -81,7 +86,7 @@ def _peer_main(conn: Connection, name: str, seed: int, staging: bool, knows: boo
 
 class Peer:
     def __init__(self, parent: Transport, name: str, seed: int, *, staging: bool = True,
-                 knows: bool = True) -> None:
+                 knows: bool = True, forge: Any = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.seed = seed
@@ -89,6 +94,8 @@ class Peer:
                                 daemon=True)
         self.proc.start()
         info = self.recv(None)
+        if forge is not None:  # the handshake as the parent reads it, changed by the test
+            info = forge(info)
         self.conn.send(parent.local_info())
         self.name = parent.add_peer(info)
         assert self.recv(parent) == "ready"
@@ -470,3 +477,104 @@ def test_a_run_list_outside_our_memory_is_refused_before_any_copy(
     assert "outside" in stager._bad_request(np.array([[G // 2, G]]), G, SLOT, G)
     assert "add up" in stager._bad_request(inside, G, SLOT, 4 * G)
     assert "slots" in stager._bad_request(inside, G, 2 * SLOT, 3 * G)
+
+
+# ---- IPC copies (live/ipc.py): never chosen on host memory; a failure falls back ---------------
+
+
+def test_ipc_is_never_chosen_on_host_memory() -> None:
+    t, buf = _parent("ipc")  # forced where a route exists: host memory has none
+    p = Peer(t, f"kvplane-stage-ipc-host-{os.getpid()}", seed=21)
+    try:
+        assert PeerInfo.from_bytes(t.local_info()).ipc is None  # nothing exported
+        assert t.ipc_route(p.name) is None
+        buf[:] = pattern(SIZE, 22)
+        ours, theirs = picked(23, DENSE, 30)
+        res = t.wait(t.post_blocks(p.name, "WRITE", DENSE, ours, DENSE, theirs), TIMEOUT)
+        assert res.status is Status.DONE and res.method in ("staged", "direct"), res
+        assert res.fallback == "" and t.fallbacks() == []
+        sent = b"".join(buf[o:o + G].tobytes() for o in block_offsets(DENSE, ours))
+        assert p.ask(t, "pieces", block_offsets(DENSE, theirs)) == sent
+    finally:
+        p.stop()
+        t.close()
+
+
+class _NoGpuIpc:
+    """FAKE, named as such: an `IpcSide` for a machine without a GPU. It claims a route to
+    every peer (as a GPU transport would for a peer on the same GPU); opening the peer's
+    handles is the real `IpcSide.mapping`, which fails here (no CUDA), as it would on a GPU
+    for a handle from another container."""
+
+    route_to = "same-device"
+
+    def __init__(self) -> None:
+        self.device = "cuda:0"
+        self.maps: dict[str, Any] = {}
+        self.broken: dict[str, str] = {}
+
+    def route(self, peer: str, theirs: Any) -> str | None:
+        return None if peer in self.broken or not theirs else self.route_to
+
+    mapping = IpcSide.mapping
+    forget = IpcSide.forget
+
+
+def _with_handles(info: bytes) -> bytes:
+    """The peer's handshake with a CUDA IPC export of one region (a handle of zeros)."""
+    d = json.loads(info)
+    zeros = base64.b64encode(bytes(64)).decode()
+    d["ipc"] = {"host": ipc_host_id(), "gpu": "GPU-elsewhere", "pid": 1,
+                "regions": [{"h": zeros, "size": SIZE, "off": 0, "rh": zeros, "ro": 0,
+                             "eh": "", "sync": False, "toff": 0, "len": SIZE, "addr": 0}]}
+    return json.dumps(d).encode()
+
+
+def test_a_failed_ipc_open_falls_back_records_it_and_moves_the_bytes() -> None:
+    t, buf = _parent("ipc")
+    p = Peer(t, f"kvplane-stage-ipc-fail-{os.getpid()}", seed=24, forge=_with_handles)
+    try:
+        t._ipc = _NoGpuIpc()  # type: ignore[assignment]
+        assert t.ipc_route(p.name) == "same-device"
+        assert t.method_for(p.name, 1 << 20, 200, blocks=True) == "ipc"
+        assert t.method_for(p.name, 1 << 20, 200) != "ipc"  # run lists never go by IPC
+        buf[:] = pattern(SIZE, 25)
+        ours, theirs = picked(26, DENSE, 40)
+        res = t.wait(t.post_blocks(p.name, "WRITE", DENSE, ours, DENSE, theirs,
+                                   notify=b"ipc-fallback-1"), TIMEOUT)
+        assert res.status is Status.DONE and res.method in ("staged", "direct"), res
+        assert res.fallback.startswith(f"ipc -> {res.method}: "), res.fallback
+        [fb] = t.fallbacks()
+        assert (fb.peer, fb.chosen, fb.used) == (p.name, "ipc", res.method)
+        assert "CUDA IPC handles failed" in fb.reason
+        assert p.ask(t, "notif", b"ipc-fallback-1", TIMEOUT) == b"ipc-fallback-1"
+        sent = b"".join(buf[o:o + G].tobytes() for o in block_offsets(DENSE, ours))
+        assert p.ask(t, "pieces", block_offsets(DENSE, theirs)) == sent
+        # the peer is off IPC now: the next transfer does not try again, a READ included
+        assert t.ipc_route(p.name) is None
+        buf[:] = 0
+        ours, theirs = picked(27, DENSE, 20)
+        res = t.wait(t.post_blocks(p.name, "READ", DENSE, ours, DENSE, theirs), TIMEOUT)
+        assert res.status is Status.DONE and res.fallback == "", res
+        assert len(t.fallbacks()) == 1
+        expected = p.ask(t, "pieces", block_offsets(DENSE, theirs))
+        assert b"".join(buf[o:o + G].tobytes() for o in block_offsets(DENSE, ours)) == expected
+    finally:
+        p.stop()
+        t.close()
+
+
+def test_handshakes_carry_an_ipc_export_and_old_ones_have_none() -> None:
+    t, _ = _parent(None)
+    try:
+        plain = t.local_info()
+        assert "ipc" not in json.loads(plain) and PeerInfo.from_bytes(plain).ipc is None
+        forged = PeerInfo.from_bytes(_with_handles(plain))
+        assert forged.ipc is not None and forged.ipc["gpu"] == "GPU-elsewhere"
+        assert PeerInfo.from_bytes(forged.to_bytes()) == forged
+        bad = json.loads(plain)
+        bad["ipc"] = [1, 2]
+        with pytest.raises(PeerError, match="ipc must be an object"):
+            PeerInfo.from_bytes(json.dumps(bad).encode())
+    finally:
+        t.close()

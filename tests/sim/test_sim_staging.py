@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvplane.core.transfer_method import choose
+from kvplane.core.transfer_method import choose, ipc_time
 from kvplane.sim.config import scenario_from_data
 from kvplane.sim.costs import KVGeometry, SimCosts
 from kvplane.sim.profiles import HardwareProfile, ModelProfile, load_profile
@@ -105,3 +105,49 @@ def test_what_if_scenario_stages_at_the_pools_own_fragmentation() -> None:
     assert out[False]["mean_run_blocks"] < 4  # fragmented by its own history
     assert out[True]["ttft_ms"]["mean"] < out[False]["ttft_ms"]["mean"]
     assert out[True]["tpot_ms"]["mean"] < out[False]["tpot_ms"]["mean"]
+
+
+# ---- the IPC copy: prefill and decode on one host (connector.transfer_ipc) ----------------------
+
+
+def ipc_costs(route: str | None, staging: bool = True) -> SimCosts:
+    return SimCosts(QWEN, H200, prefill_tp=8, decode_tp=8, link="nvlink",
+                    staging=staging, ipc=route)  # type: ignore[arg-type]
+
+
+def test_on_one_host_the_ipc_copy_prices_fragmented_and_contiguous_transfers() -> None:
+    g = KVGeometry.of(QWEN, 8)
+    blocks = g.blocks_for(16384)
+    nbytes = int(g.transfer_bytes_per_rank(blocks)) * 8
+    for desc in (g.descriptors(blocks) * 8, g.descriptors(1) * 8):  # fragmented, contiguous
+        same, staged = ipc_costs("same-device"), costs(True)
+        assert same.transfer_method(nbytes, desc, 8) == "ipc"
+        per_rank = nbytes / 8
+        expected = ipc_time(same.method_costs, int(per_rank), "same-device") + (
+            same.transfer.latency)
+        assert same.transfer_time(nbytes, desc, 8) == pytest.approx(expected)
+        assert same.transfer_time(nbytes, desc, 8) < staged.transfer_time(nbytes, desc, 8)
+    # IPC alone (no staging pool) is still chosen per transfer
+    only = ipc_costs("same-device", staging=False)
+    assert only.transfer_method(nbytes, g.descriptors(blocks) * 8, 8) == "ipc"
+    assert ipc_costs(None, staging=False).transfer_method(nbytes, desc, 8) == "direct"
+
+
+def test_between_two_gpus_the_copy_is_capped_by_the_link() -> None:
+    g = KVGeometry.of(QWEN, 8)
+    blocks = g.blocks_for(16384)
+    nbytes, desc = int(g.transfer_bytes_per_rank(blocks)) * 8, g.descriptors(blocks) * 8
+    same, peer = ipc_costs("same-device"), ipc_costs("peer-device")
+    assert peer.method_costs.bandwidth < peer.method_costs.ipc_bandwidth
+    assert peer.transfer_time(nbytes, desc, 8) > same.transfer_time(nbytes, desc, 8)
+    assert peer.transfer_method(nbytes, desc, 8) == "ipc"  # still no descriptors to pay
+
+
+def test_the_scenario_names_the_ipc_route() -> None:
+    data = json.loads(json.dumps(BASE))
+    data["connector"]["transfer_ipc"] = "same-device"
+    point = scenario_from_data(data, file="<test>").points()[0]
+    assert SimCosts.from_scenario(point.scenario).ipc == "same-device"
+    data["connector"]["transfer_ipc"] = "elsewhere"
+    with pytest.raises(Exception, match="transfer_ipc"):
+        scenario_from_data(data, file="<test>")
