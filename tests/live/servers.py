@@ -314,14 +314,19 @@ class PdClient:
 
 
 def kvplane_command() -> str:
-    """The `kvplane` entry point of the interpreter running the tests (its venv's bin/)."""
+    """The `kvplane` entry point of the interpreter running the tests: its venv's bin/, else
+    the one on PATH (an install with `pip install --target DIR` puts it in DIR/bin, as the GPU
+    scripts do)."""
+    import shutil
+
     import pytest
 
     path = Path(sys.executable).parent / "kvplane"
-    if not path.exists():
-        pytest.fail(f"no `kvplane` command next to {sys.executable}: install the project into "
-                    "this venv (pip install -e '.[live]')", pytrace=False)
-    return str(path)
+    found = str(path) if path.exists() else shutil.which("kvplane")
+    if found is None:
+        pytest.fail(f"no `kvplane` command next to {sys.executable} or on PATH: install the "
+                    "project into this venv (pip install -e '.[live]')", pytrace=False)
+    return found
 
 
 @dataclass
