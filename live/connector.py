@@ -199,13 +199,15 @@ def _build() -> dict[str, Any]:
                 self.reset()
 
         def reset(self) -> None:
-            self.data = {"bytes": [], "descriptors": [], "seconds": [], "ops": [], "failed": 0}
+            self.data = {"bytes": [], "descriptors": [], "seconds": [], "ops": [], "failed": 0,
+                         "fallbacks": 0}
 
         def aggregate(self, other: Any) -> KvplaneStats:
             o = other.data if isinstance(other, KVConnectorStats) else dict(other or {})
             for key in ("bytes", "descriptors", "seconds", "ops"):
                 self.data[key] = list(self.data.get(key, [])) + list(o.get(key, []))
-            self.data["failed"] = int(self.data.get("failed", 0)) + int(o.get("failed", 0))
+            for key in ("failed", "fallbacks"):
+                self.data[key] = int(self.data.get(key, 0)) + int(o.get(key, 0))
             return self
 
         def reduce(self) -> dict[str, int | float]:
@@ -214,7 +216,8 @@ def _build() -> dict[str, Any]:
                     "kvplane_bytes": int(sum(d.get("bytes", []))),
                     "kvplane_descriptors": int(sum(d.get("descriptors", []))),
                     "kvplane_seconds": round(float(sum(d.get("seconds", []))), 6),
-                    "kvplane_failed": int(d.get("failed", 0))}
+                    "kvplane_failed": int(d.get("failed", 0)),
+                    "kvplane_fallbacks": int(d.get("fallbacks", 0))}
 
         def is_empty(self) -> bool:
             return not self.data.get("bytes") and not self.data.get("failed")
@@ -239,6 +242,10 @@ def _build() -> dict[str, Any]:
                                        "NIXL descriptors of KvplaneConnector's transfers.")
             self.failed = counter("vllm:kvplane_failed_transfers",
                                   "KvplaneConnector transfers that failed or timed out.")
+            self.fallbacks = counter("vllm:kvplane_transfer_fallbacks",
+                                     "KvplaneConnector transfers that went by another method "
+                                     "than the cost estimate chose (an IPC mapping that could "
+                                     "not be opened, say); each is also logged.")
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             d = transfer_stats_data or {}
@@ -248,6 +255,8 @@ def _build() -> dict[str, Any]:
                 self.descriptors[engine_idx].inc(int(sum(d.get("descriptors", []))))
             if d.get("failed"):
                 self.failed[engine_idx].inc(int(d["failed"]))
+            if d.get("fallbacks"):
+                self.fallbacks[engine_idx].inc(int(d["fallbacks"]))
 
     class KvplaneConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """See the module docstring."""

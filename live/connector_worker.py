@@ -522,13 +522,14 @@ class Stats:
     seconds: list[float] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     failed: int = 0
+    fallbacks: int = 0  # transfers that went by another method than the estimate chose
 
     def empty(self) -> bool:
         return not self.bytes and not self.failed
 
     def to_dict(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "descriptors": self.descriptors, "seconds": self.seconds,
-                "ops": self.ops, "failed": self.failed}
+                "ops": self.ops, "failed": self.failed, "fallbacks": self.fallbacks}
 
 
 def _log_transfer(f: _InFlight) -> None:
@@ -553,7 +554,9 @@ class TransferThread:
         self.rank = rank
         self.orders: queue.SimpleQueue[Order] = queue.SimpleQueue()
         self.facts: collections.deque[Fact] = collections.deque()
-        self.stats: collections.deque[tuple[str, bool, int, int, float]] = collections.deque()
+        # (op, ok, bytes, descriptors, seconds, fell back from the estimate's first method)
+        self.stats: collections.deque[tuple[str, bool, int, int, float, bool]] = (
+            collections.deque())
         # a peer is one rank of another instance: (host, port, rank)
         self._peers: dict[tuple[str, int, int], tuple[str, Geometry]] = {}
         # handshakes being fetched off this thread, and the orders waiting for them
@@ -787,7 +790,8 @@ class TransferThread:
                            reason)
         nbytes = res.nbytes if res is not None else 0
         descs = res.descriptors if res is not None else 0
-        self.stats.append((order.kind, ok, nbytes, descs, seconds))
+        fell_back = res is not None and bool(res.fallback)
+        self.stats.append((order.kind, ok, nbytes, descs, seconds, fell_back))
         self._fact(order, f"{order.kind}_done", ok, reason, nbytes=nbytes if ok else 0,
                    descriptors=descs, seconds=seconds)
 
@@ -902,7 +906,8 @@ class WorkerHalf:
             return None
         s = Stats()
         while self.thread.stats:
-            kind, ok, nbytes, descs, seconds = self.thread.stats.popleft()
+            kind, ok, nbytes, descs, seconds, fell_back = self.thread.stats.popleft()
+            s.fallbacks += fell_back
             if not ok:
                 s.failed += 1
                 continue

@@ -865,3 +865,19 @@ def test_a_push_leg_without_prefills_layout_is_refused_by_a_prefill_of_other_tp(
     failed = pair.of(ev.KVLoadFailed, instance="D")
     assert failed and "expects a prefill of TP 1, this one has TP 2" in failed[0].reason
     assert rd.request_id in pair.step("D").failed_recving
+
+
+def test_transfer_stats_count_fallbacks_through_vllms_stats_objects() -> None:
+    """A transfer that went by another method than the estimate chose reaches vLLM's metrics
+    as `kvplane_fallbacks` (the Prometheus counter vllm:kvplane_transfer_fallbacks)."""
+    from kvplane.live.connector import KvplaneStats
+    from kvplane.live.connector_worker import Stats
+
+    a = Stats(bytes=[100], descriptors=[2], seconds=[0.01], ops=["write"], fallbacks=1)
+    b = Stats(bytes=[50, 70], descriptors=[1, 1], seconds=[0.01, 0.02], ops=["read", "read"],
+              failed=1)
+    total = KvplaneStats(data=a.to_dict()).aggregate(KvplaneStats(data=b.to_dict()))
+    reduced = total.reduce()
+    assert reduced["kvplane_transfers"] == 3 and reduced["kvplane_bytes"] == 220
+    assert reduced["kvplane_failed"] == 1 and reduced["kvplane_fallbacks"] == 1
+    assert KvplaneStats(data={}).reduce()["kvplane_fallbacks"] == 0  # a fresh interval
