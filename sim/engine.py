@@ -697,19 +697,21 @@ class PrefillInstance(Instance):
             # stood in for by a fresh one: the compute is still saved, only its id differs.
             free_hit = self.pool.free_of(hit)
             need = -(-r.prompt // bs) - len(free_hit)
+            cached = len(hit) * bs
             reading = (cfg.bidirectional and r.conversation is not None
                        and r.id not in self.resuming)
-            # an async load also leaves what admitted prompts still need (vLLM's
-            # `_inflight_prefill_reserved_blocks`); a plain admission does not
-            reserved = self._still_needed() if reading else 0
+            handle = (self.sim.router.table.handle_of(r.tenant, r.conversation or "")
+                      if reading else None)
+            remote = min(handle.num_tokens, r.prompt) if handle is not None else 0
+            # an async load (decode holds more of the prompt than the local hits) also leaves
+            # what admitted prompts still need (vLLM's `_inflight_prefill_reserved_blocks`);
+            # a plain admission does not
+            reserved = self._still_needed() if remote > cached else 0
             if self.pool.free - len(free_hit) - reserved < need:  # free once they are taken
                 return  # freed blocks (a finished transfer) wake the loop again
-            cached = len(hit) * bs
             n = min(r.prompt - cached, budget)
-            upto = cached + n
-            if reading:  # the blocks decode's KV could fill (vLLM: its external tokens')
-                handle = self.sim.router.table.handle_of(r.tenant, r.conversation or "")
-                upto = max(cached, min(handle.num_tokens if handle else 0, r.prompt))
+            # a reader takes the blocks decode's KV could fill (vLLM: its external tokens')
+            upto = max(cached, remote) if reading else cached + n
             self.pool.touch(free_hit)
             new = self.pool.take(-(-upto // bs) - len(free_hit))
             assert new is not None
