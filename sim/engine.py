@@ -711,7 +711,7 @@ class PrefillInstance(Instance):
                 return  # freed blocks (a finished transfer) wake the loop again
             n = min(r.prompt - cached, budget)
             # a reader takes the blocks decode's KV could fill (vLLM: its external tokens')
-            upto = max(cached, remote) if reading else cached + n
+            upto = max(cached, remote) if reading and remote > cached else cached + n
             self.pool.touch(free_hit)
             new = self.pool.take(-(-upto // bs) - len(free_hit))
             assert new is not None
@@ -730,6 +730,9 @@ class PrefillInstance(Instance):
                 r.prefill_start = env.now
             if blocks:
                 self.do(P.Allocate(r.id, 0, blocks))
+            if reading and remote <= cached:  # nothing to read: decided now, a plain request
+                cached = self._decide_now(r, cached)
+                reading = False
             if reading:
                 self.loading += 1
                 env.process(self._read_then_run(r, cached))
@@ -737,6 +740,16 @@ class PrefillInstance(Instance):
                 self._run(r, cached)
                 step.append((r, n, cached))
                 budget -= n
+
+    def _decide_now(self, r: SimRequest, cached: int) -> int:
+        """The router's reuse decision for a request decode holds nothing more of (vLLM's
+        connector answers "no external tokens" within the scheduling step)."""
+        decide = self.sim.router.reuse(self, r, cached)
+        try:
+            next(decide)
+        except StopIteration as done:
+            return int(done.value)
+        raise AssertionError(f"{r.id}: a reuse read of nothing")
 
     def _read_then_run(self, r: SimRequest, cached: int) -> Iterator[Any]:
         before = self.sim.env.now

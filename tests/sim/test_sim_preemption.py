@@ -339,3 +339,52 @@ def test_kvplane_show_prints_a_runs_preemptions_from_its_events(tmp_path) -> Non
     assert f"  {busiest['preemptions']} preemptions\n" in res.output
     res = cli.invoke(app, ["show", summary["run_id"], "--db", db, "--json"])
     assert json.loads(res.output)["preemptions"] == sum(p["preemptions"] for p in points)
+
+
+def _conversations(bidirectional: bool) -> tuple[Simulation, list[Event]]:
+    """Three-turn conversations (2k first prompt, 1k more per turn) at 20 new ones per second
+    onto a prefill pool of 400 blocks (6,400 tokens), pull mode, prefix caching off."""
+    from kvplane.sim.runner import engine_config, feed
+    from kvplane.sim.workloads import requests_for_point
+
+    data = load_scenario("seed_bidirectional").model_dump(mode="json")
+    for key in ("sweep", "published", "assumptions"):
+        data.pop(key, None)
+    data["requests"] = 40
+    data["connector"]["bidirectional"] = bidirectional
+    data["workload"].update({"turns": {"mean": 3}, "first_prompt": {"mean": 2048},
+                             "user_tokens": {"mean": 1024}, "output_len": {"mean": 64},
+                             "think_time_s": 0.05, "conversation_rate": 20.0})
+    sc = scenario_from_data(data, file="<test>")
+    point = sc.points()[0]
+    assert point.bidirectional == bidirectional
+    costs = SimCosts.from_scenario(sc)
+    cfg = replace(engine_config(point, costs), prefill_blocks=400)
+    log: list[Event] = []
+    sim = Simulation(cfg, costs, log.append)
+    sim.env.run(until=feed(sim, requests_for_point(point), cfg.decode_layout.block_size))
+    sim.drain()
+    return sim, log
+
+
+def test_prefill_preempts_when_a_request_admitted_during_a_reuse_read_takes_its_suffix() -> None:
+    """vLLM's defaults check a new prompt against the free blocks, not against what a request
+    loading decode's KV will still need for its suffix: with reuse on, a request admitted
+    during a D->P read can leave the reader's suffix without blocks, and the newest running
+    request is preempted. The same conversations without reuse never preempt on prefill. The
+    preempted request recomputes (it never reads decode's KV afterwards), every request ends,
+    the log replays clean and prefill's pool is whole again."""
+    plain, _ = _conversations(False)
+    assert len(plain.done) == 40 and plain.prefills["prefill-0"].preemptions == 0
+    sim, log = _conversations(True)
+    pf = sim.prefills["prefill-0"]
+    pre = [e for e in log if isinstance(e, RequestPreempted) and e.instance == "prefill-0"]
+    assert len(sim.done) == 40 and pre and pf.preemptions == len(pre)
+    for e in pre:
+        reads = [x for x in log if isinstance(x, TransferPlanned) and x.direction == "D->P"]
+        assert any(x.at <= e.at for x in reads)  # a read was under way or done before
+        assert not any(x.request == e.request and x.at > e.at for x in reads)
+        again = [x for x in log if isinstance(x, PrefillStarted) and x.request == e.request]
+        assert again[-1].at >= e.at and again[-1].cached_tokens == 0  # recomputed
+    assert replay(log, final=True).ok
+    assert pf.pool.free == pf.pool.capacity
