@@ -226,6 +226,9 @@ class RunSummary:
     throughput_tok_s: float | None
     events: int
     children: list[RunInfo]
+    # RequestPreempted events of the run and its child runs (vllm:num_preemptions_total,
+    # summed over instances)
+    preemptions: int = 0
 
     @property
     def rate_unit(self) -> str:
@@ -241,7 +244,7 @@ class RunSummary:
             "rate": self.rate, "rate_unit": self.rate_unit, "modes": self.modes,
             "ttft_ms": self.ttft, "tpot_ms": self.tpot, "e2e_ms": self.e2e,
             "throughput_tok_s": self.throughput_tok_s, "events": self.events,
-            "children": [c.id for c in self.children],
+            "preemptions": self.preemptions, "children": [c.id for c in self.children],
         })
 
 
@@ -251,6 +254,10 @@ def summarize_run(store: EventStore, run: RunInfo) -> RunSummary:
         events = int(conn.execute(select(func.count()).select_from(E)
                                   .where(E.c.run == run.id)).scalar() or 0)
     kids = sorted((r for r in store.runs() if r.parent == run.id), key=lambda r: r.scenario)
+    with store.engine.connect() as conn:
+        preemptions = int(conn.execute(select(func.count()).select_from(E).where(
+            E.c.run.in_([run.id, *(k.id for k in kids)]),
+            E.c.type == "RequestPreempted")).scalar() or 0)
     done = [r for r in rows if r["e2e"] is not None or r["ok"]]
     per_conv: dict[str, list[float]] = {}
     for r in rows:
@@ -281,7 +288,7 @@ def summarize_run(store: EventStore, run: RunInfo) -> RunSummary:
         tpot=stats_ms(r["tpot"] for r in done if r["ok"] and (r["output_tokens"] or 0) > 1),
         e2e=stats_ms(r["e2e"] for r in done if r["ok"]),
         throughput_tok_s=out_tokens / span if span else None,
-        events=events, children=kids)
+        events=events, children=kids, preemptions=preemptions)
 
 
 def _multi_turn_meta(run: RunInfo) -> bool:
@@ -404,6 +411,8 @@ def format_summary(s: RunSummary) -> str:
                          f"{_fmt(st['p90'], d):>9} {_fmt(st['p99'], d):>9}")
         if s.throughput_tok_s is not None:
             lines.append(f"  output throughput {s.throughput_tok_s:.1f} tok/s")
+    lines.append(f"  {s.preemptions} preemptions" + (" (with the child runs')" if s.children
+                                                       else ""))
     lines.append(f"  {s.events} events")
     if s.children:
         lines.append(f"  {len(s.children)} child runs:")

@@ -120,9 +120,10 @@ class EngineSettings(_Config):
     )
     pool_run_blocks: float | None = Field(
         default=None, gt=1.0,
-        description="fragmentation of a long-running decode server's block pool: the mean "
-        "length, in blocks, of the contiguous runs it hands out (null: a fresh pool hands out "
-        "free blocks in order). Descriptors per transfer = runs x layers x 2, so this sets what "
+        description="what-if only (no bundled scenario sets it): a synthetic history of a "
+        "decode server's block pool, the mean length, in blocks, of the contiguous runs it "
+        "hands out. Null (the default): the runs are what the simulated allocator hands out "
+        "under the workload. Descriptors per transfer = runs x layers x 2, so this sets what "
         "a transfer costs to prepare and post",
     )
     block_reuse: Literal["lifo", "fifo"] = Field(

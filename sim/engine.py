@@ -175,7 +175,7 @@ class SimRequest:
     ok: bool = True
     taken: RetainedHandle | None = None  # the conversation's handle this turn took
     attempt: int = 0  # decode's attempt: a failed load's local compute is the next one
-    preemptions: int = 0  # times decode preempted it (vLLM's request_num_preemptions)
+    preemptions: int = 0  # times an instance preempted it (vLLM's num_preemptions)
     last_token: float = -1.0  # when decode's last step for it ended
     itl: list[tuple[float, int]] = field(default_factory=list)
 
@@ -532,13 +532,15 @@ class Instance:
 
 
 class PrefillInstance(Instance):
-    """A prefill engine scheduled the way vLLM's scheduler does it.
+    """A prefill engine scheduled the way vLLM's V1 scheduler does it (`schedule`).
 
-    Every step first continues the running requests' chunked prefills, oldest first, then
-    admits waiting requests while the step's token budget (`max_num_batched_tokens`), the
-    sequence limit (`max_num_seqs`) and free blocks allow; one step computes all the chunks it
-    took, priced together. A request waiting for a D->P reuse read holds its slot and blocks
-    but not the engine (vLLM's WAITING_FOR_REMOTE_KVS): other requests keep stepping.
+    Every step first continues the running requests' chunked prefills, oldest first, each
+    taking the blocks its chunk needs; one that finds none preempts the newest running
+    request, as vLLM does on any instance. Then, unless something was preempted, it admits
+    waiting requests while the step's token budget (`max_num_batched_tokens`), the sequence
+    limit (`max_num_seqs`) and free blocks allow; one step computes all the chunks it took,
+    priced together. A request waiting for a D->P reuse read holds its slot and blocks but not
+    the engine (vLLM's WAITING_FOR_REMOTE_KVS): other requests keep stepping.
     """
 
     def __init__(self, sim: Simulation, name: str) -> None:
@@ -552,6 +554,8 @@ class PrefillInstance(Instance):
         self.progress: dict[str, int] = {}  # request id -> prompt tokens in the cache so far
         self.blocks: dict[str, tuple[int, ...]] = {}  # request id -> its prompt's blocks
         self.hash_lists: dict[str, list[int]] = {}  # request id -> its block hashes, as ints
+        self.resuming: set[str] = set()  # waiting requests that were preempted
+        self.preemptions = 0  # vllm:num_preemptions_total of this instance
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
         sim.env.process(self.loop())
 
@@ -604,11 +608,88 @@ class PrefillInstance(Instance):
         self.pool.cache(self._hash_list(r), self.blocks.get(r.id, ()))
         self.hash_lists.pop(r.id, None)
 
-    def admit(self) -> None:
-        """Waiting requests, in order, while a sequence slot and their blocks are free."""
+    def schedule(self) -> tuple[list[tuple[SimRequest, int, int]], bool]:
+        """One step of vLLM's V1 scheduler (vllm/v1/core/sched/scheduler.py, `schedule`):
+        the step's chunks `(request, new tokens, tokens in the cache)` and whether it
+        preempted. Running requests come first, oldest first, each taking the blocks of its
+        next chunk; one that finds none preempts the last running request, repeatedly, until
+        its blocks are there or it was itself the one preempted (then the step ends there).
+        A step that preempted admits no waiting request."""
+        budget = self.sim.cfg.max_num_batched_tokens
+        step: list[tuple[SimRequest, int, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            done = self.progress[r.id]
+            n = min(r.prompt - done, budget)
+            while not self._grow(r, done + n):
+                victim = self.running[-1]  # FCFS: the newest is preempted first
+                self.preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if preempted and r not in self.running:
+                break
+            step.append((r, n, done))
+            budget -= n
+            i += 1
+        if not preempted:
+            self.admit(budget, step)
+        return step, preempted
+
+    def _grow(self, r: SimRequest, tokens: int) -> bool:
+        """Take the blocks `r`'s first `tokens` tokens need beyond those it holds; False
+        when the pool cannot give them."""
+        have = self.blocks[r.id]
+        k = -(-tokens // self.layout.block_size) - len(have)
+        if k <= 0:
+            return True
+        new = self.pool.take(k)
+        if new is None:
+            return False
+        self.blocks[r.id] = (*have, *new)
+        self.do(P.Allocate(r.id, 0, new))
+        return True
+
+    def _still_needed(self) -> int:
+        """Blocks the admitted, unfinished prompts do not hold yet."""
+        bs, reqs = self.layout.block_size, self.sim.requests
+        return sum(max(-(-reqs[i].prompt // bs) - len(b), 0) for i, b in self.blocks.items()
+                   if i in reqs and self.progress.get(i, 0) < reqs[i].prompt)
+
+    def preempt(self, r: SimRequest) -> None:
+        """vLLM's preemption (`_preempt_request`): the request leaves the running batch, its
+        computed tokens are forgotten, its blocks freed tail first (the full ones it computed
+        stay in the prefix cache, evictable, when prefill caches prefixes) and it goes back
+        to the front of the waiting queue; admitted again, it recomputes what the cache lost.
+        The core's `Preempt` records `RequestPreempted` and frees the blocks."""
+        bs = self.layout.block_size
+        self.running.remove(r)
+        done = self.progress.pop(r.id)
+        blocks = self.blocks.pop(r.id, ())
+        if self.sim.cfg.prefill_prefix_caching and r.hashes is not None:
+            n = min(done // bs, len(blocks))
+            self.pool.cache(self._hash_list(r)[:n], blocks[:n])
+        self.preemptions += 1
+        r.preemptions += 1
+        self.resuming.add(r.id)
+        self.do(P.Preempt(r.id, 0))
+        self.queue.appendleft(r)
+
+    def admit(self, budget: int, step: list[tuple[SimRequest, int, int]]) -> None:
+        """Waiting requests, in order, while the step has tokens left, a sequence slot is
+        free and the pool holds the whole prompt (vLLM 0.32's `scheduler_reserve_full_isl`);
+        only the blocks of its first chunk (appended to `step`) are taken now, the rest as
+        later chunks need them. A request that may read decode's KV takes, besides its local
+        hits, the blocks of the tokens decode retained for its conversation (at most: vLLM
+        takes those of the tokens the connector will load, decided in the same breath) and
+        computes no chunk until the read is done; its suffix's blocks come with its chunks,
+        so a request admitted meanwhile can take them and one of the two is preempted. A
+        preempted request is admitted again as a plain one: it recomputes, reading nothing."""
         cfg, env = self.sim.cfg, self.sim.env
         bs = self.layout.block_size
-        while self.queue and self.busy < cfg.max_num_seqs:
+        while self.queue and self.busy < cfg.max_num_seqs and budget > 0:
             r = self.queue[0]
             hit = self.local_hits(r)
             # A hit block another running request holds is shared in vLLM; the event log's
@@ -616,10 +697,23 @@ class PrefillInstance(Instance):
             # stood in for by a fresh one: the compute is still saved, only its id differs.
             free_hit = self.pool.free_of(hit)
             need = -(-r.prompt // bs) - len(free_hit)
-            if self.pool.free - len(free_hit) < need:  # what is free once they are taken
+            cached = len(hit) * bs
+            reading = (cfg.bidirectional and r.conversation is not None
+                       and r.id not in self.resuming)
+            handle = (self.sim.router.table.handle_of(r.tenant, r.conversation or "")
+                      if reading else None)
+            remote = min(handle.num_tokens, r.prompt) if handle is not None else 0
+            # an async load (decode holds more of the prompt than the local hits) also leaves
+            # what admitted prompts still need (vLLM's `_inflight_prefill_reserved_blocks`);
+            # a plain admission does not
+            reserved = self._still_needed() if remote > cached else 0
+            if self.pool.free - len(free_hit) - reserved < need:  # free once they are taken
                 return  # freed blocks (a finished transfer) wake the loop again
+            n = min(r.prompt - cached, budget)
+            # a reader takes the blocks decode's KV could fill (vLLM: its external tokens')
+            upto = max(cached, remote) if reading and remote > cached else cached + n
             self.pool.touch(free_hit)
-            new = self.pool.take(need)
+            new = self.pool.take(-(-upto // bs) - len(free_hit))
             assert new is not None
             if len(free_hit) == len(hit):  # no stand-ins
                 blocks = (*hit, *new)
@@ -631,14 +725,31 @@ class PrefillInstance(Instance):
                 blocks = (*[b if b in owned else next(fresh) for b in hit], *fresh)
             self.blocks[r.id] = blocks
             self.queue.popleft()
-            r.prefill_start = env.now
-            self.do(P.Allocate(r.id, 0, blocks))
-            cached = len(hit) * bs
-            if cfg.bidirectional and r.conversation is not None:
+            self.resuming.discard(r.id)
+            if r.prefill_start < 0:
+                r.prefill_start = env.now
+            if blocks:
+                self.do(P.Allocate(r.id, 0, blocks))
+            if reading and remote <= cached:  # nothing to read: decided now, a plain request
+                cached = self._decide_now(r, cached)
+                reading = False
+            if reading:
                 self.loading += 1
                 env.process(self._read_then_run(r, cached))
             else:
                 self._run(r, cached)
+                step.append((r, n, cached))
+                budget -= n
+
+    def _decide_now(self, r: SimRequest, cached: int) -> int:
+        """The router's reuse decision for a request decode holds nothing more of (vLLM's
+        connector answers "no external tokens" within the scheduling step)."""
+        decide = self.sim.router.reuse(self, r, cached)
+        try:
+            next(decide)
+        except StopIteration as done:
+            return int(done.value)
+        raise AssertionError(f"{r.id}: a reuse read of nothing")
 
     def _read_then_run(self, r: SimRequest, cached: int) -> Iterator[Any]:
         before = self.sim.env.now
@@ -657,22 +768,14 @@ class PrefillInstance(Instance):
         self.running.append(r)
 
     def loop(self) -> Iterator[Any]:
-        env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
+        env, costs = self.sim.env, self.sim.costs
         while True:
-            self.admit()
-            if not self.running:
-                self._rearm()
-                yield self.wake
+            step, preempted = self.schedule()
+            if not step:
+                if not preempted:  # a step that preempted everything: admit in the next
+                    self._rearm()
+                    yield self.wake
                 continue
-            budget = cfg.max_num_batched_tokens
-            step: list[tuple[SimRequest, int, int]] = []  # (request, new tokens, cached)
-            for r in self.running:
-                if budget <= 0:
-                    break
-                done = self.progress[r.id]
-                n = min(r.prompt - done, budget)
-                step.append((r, n, done))
-                budget -= n
             t = costs.prefill_batch_time([(n, c) for _, n, c in step])
             self._rearm()
             yield env.timeout(t)

@@ -177,8 +177,9 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
                       "requests/s"),
         **stats,
         "mean_run_blocks": mean_run_blocks,
-        # vllm:num_preemptions_total, summed over decode instances (the whole run, warm-up too)
-        "preemptions": sum(d.preemptions for d in sim.decodes.values()),
+        # vllm:num_preemptions_total, summed over all instances (the whole run, warm-up too)
+        "preemptions": sum(i.preemptions for i in (*sim.prefills.values(),
+                                                   *sim.decodes.values())),
         "simulated_s": simulated,
         "wall_s": wall,
         "finished": sim.finished_count,

@@ -199,13 +199,16 @@ def test_the_bundled_calibration_reproduces_what_it_was_fitted_to() -> None:
 
 
 def test_reuse_on_at_2k_is_the_known_outlier() -> None:
-    # Any shared per-request overhead puts TTFT on (2k) above 144 ms: published TTFT off (158)
-    # minus all of the 2k compute (~44 ms) plus the published 30 ms read. Published: 122 ms.
+    # Any shared per-request overhead that makes TTFT off (2k) the published 158 ms puts TTFT
+    # on (2k) above 144 ms: 158 minus all of the 2k compute plus the published 30 ms read.
+    # Published: 122 ms. Without such an overhead (the bundled calibration has none) both
+    # 2k TTFTs fall far below the published ones: no constant meets the three figures.
     compute_2k = C.chunked_prefill_time(2048, 0, CHUNK)
     floor = 0.158 - compute_2k + 0.030
     assert floor > 0.122
     new = round(2048 * NEW_SHARE)
-    assert ttft_on(2048, new) > 0.122
+    assert C.prefill_request_overhead == 0.0
+    assert ttft_on(2048, new) < 0.122 and ttft_off(2048) < 0.158 * 0.85
 
 
 def test_pull_tpot_gap_from_fragmentation_measured_elsewhere() -> None:

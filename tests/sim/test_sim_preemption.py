@@ -12,11 +12,15 @@ from typing import Any
 import pytest
 
 from kvplane.core import decode as D
+from kvplane.core import prefill as P
 from kvplane.core.events import (
+    BlocksFreed,
     EngineStalled,
     Event,
+    PrefillStarted,
     RegistrationSent,
     RequestPreempted,
+    TransferCompleted,
     TransferPlanned,
 )
 from kvplane.core.replay import replay
@@ -142,11 +146,9 @@ def test_a_request_larger_than_the_decode_pool_is_refused_with_a_reason() -> Non
         sim.env.run(until=10)
 
 
-@pytest.mark.parametrize("run_blocks", [None, 4.0])
-def test_the_run_summary_counts_preemptions_as_vllm_does(run_blocks: float | None) -> None:
-    """`preemptions` of a point is vllm:num_preemptions_total summed over decode instances;
-    the points table shows it. The scenario's activation reserve leaves decode a pool of
-    two and a half requests' full length, with up to eight running."""
+def _tight(run_blocks: float | None) -> dict[str, Any]:
+    """A scenario whose activation reserve leaves decode a pool of two and a half requests'
+    full length, with up to eight running."""
     base = load_scenario("seed_push_vs_pull")
     data: dict[str, Any] = {
         "name": "tight", "seed": 3, "requests": 24, "warmup_requests": 0,
@@ -164,6 +166,16 @@ def test_the_run_summary_counts_preemptions_as_vllm_does(run_blocks: float | Non
         .bytes_per_block_per_rank
     reserve = (roomy.pool_blocks["decode"] - 5 * per_request // 2) * block_bytes
     data["engine"]["activation_reserve_bytes"] = reserve
+    return data
+
+
+@pytest.mark.parametrize("run_blocks", [None, 4.0])
+def test_the_run_summary_counts_preemptions_as_vllm_does(run_blocks: float | None) -> None:
+    """`preemptions` of a point is vllm:num_preemptions_total summed over instances; the
+    points table shows it."""
+    data = _tight(run_blocks)
+    roomy = SimCosts.from_scenario(scenario_from_data(data, file="<test>"))
+    per_request = -(-(2048 + 512) // roomy.layout("decode").block_size)
     sc = scenario_from_data(data, file="<test>")
     assert SimCosts.from_scenario(sc).pool_blocks["decode"] == pytest.approx(5 * per_request // 2,
                                                                              abs=1)
@@ -222,3 +234,157 @@ def test_a_prompt_larger_than_the_prefill_pool_is_refused_not_left_waiting() -> 
     with pytest.raises(PoolTooSmall, match=f"prefill-0.*{cap} blocks"):
         sim.submit(SimRequest("long", 0.0, (cap + 1) * bs, 4))
         sim.env.run(until=10)
+
+
+def _over_admitted(sim: Simulation, *specs: tuple[str, int, int]) -> list[SimRequest]:
+    """Requests running on prefill, each holding the blocks of its first `done` tokens and
+    having computed them (as when an earlier admission could not see what a later chunk of
+    another would need); decode has been asked for each (push)."""
+    pf = sim.prefills["prefill-0"]
+    bs = pf.layout.block_size
+    out = []
+    for name, prompt, done in specs:
+        r = SimRequest(name, 0.0, prompt, 4, prefill=pf.name, decode="decode-0")
+        r.prefill_received = r.prefill_start = 0.0
+        sim.requests[r.id] = r
+        blocks = pf.pool.take(-(-done // bs))
+        assert blocks is not None
+        pf.blocks[r.id] = blocks
+        pf.do(P.Allocate(r.id, 0, blocks))
+        pf._run(r, 0)
+        pf.progress[r.id] = done
+        sim.decodes["decode-0"].submit(r)
+        out.append(r)
+    pf.poke()
+    return out
+
+
+def test_prefill_preempts_the_newest_running_request_when_a_chunk_finds_no_block() -> None:
+    """Hand-computed: prefill pool of 10 blocks of 16 tokens, a step budget of 64 tokens.
+    a (128 tokens) and b (96) hold 4 blocks each, 64 tokens computed; 2 blocks are free.
+    Step 1: a's next chunk (64 tokens) needs 4 blocks; b, the last running request, is
+    preempted (its 4 blocks freed: 6 free), a takes 4 and completes; nothing is admitted in
+    a step that preempted. b needs 6 blocks for its whole prompt and 2 are free until a's KV
+    has gone to decode; then it is admitted again and recomputes from token 0: 64 tokens,
+    then 32. One preemption, on prefill-0; a's KV is sent once, b's once."""
+    sim, costs, log = _sim(prefill_blocks=10, decode_blocks=10_000, max_num_batched_tokens=64)
+    pf = sim.prefills["prefill-0"]
+    a, b = _over_admitted(sim, ("a", 128, 64), ("b", 96, 64))
+    sim.env.run(until=60)
+    assert a.finish > 0 and b.finish > 0
+    pre = [e for e in log if isinstance(e, RequestPreempted)]
+    assert [(e.request, e.instance, e.attempt, e.at) for e in pre] == [("b", "prefill-0", 0, 0.0)]
+    assert (pf.preemptions, a.preemptions, b.preemptions) == (1, 0, 1)
+    freed = [e for e in log if isinstance(e, BlocksFreed) and e.request == "b"
+             and e.reason == "preempted"]
+    assert len(freed) == 1 and len(freed[0].blocks) == 4
+    step1 = costs.prefill_batch_time([(64, 64)])
+    assert a.prefill_end == pytest.approx(step1)
+    sent = next(e for e in log if isinstance(e, TransferCompleted) and e.request == "a")
+    # b waited for a's 8 blocks (2 free < 6), then computed 64 + 32 tokens from scratch
+    starts = [e for e in log if isinstance(e, PrefillStarted) and e.request == "b"]
+    assert [(e.at, e.computed_tokens) for e in starts] == [(0.0, 96),
+                                                           (pytest.approx(sent.at), 96)]
+    redo = costs.prefill_batch_time([(64, 0)]) + costs.prefill_batch_time([(32, 64)])
+    assert b.prefill_end == pytest.approx(sent.at + redo)
+    assert b.compute_s == pytest.approx(redo)  # its first 64 tokens' step was before the test
+    assert [e.request for e in log if isinstance(e, TransferPlanned)] == ["a", "b"]
+    assert replay(log, final=True).ok
+    assert pf.pool.free == pf.pool.capacity and not pf.blocks
+
+
+def test_prefill_with_room_for_every_chunk_preempts_nothing() -> None:
+    sim, _, log = _sim(prefill_blocks=14, decode_blocks=10_000, max_num_batched_tokens=64)
+    _over_admitted(sim, ("a", 128, 64), ("b", 96, 64))  # 8 + 6 blocks: both fit
+    sim.env.run(until=60)
+    assert len(sim.done) == 2 and sim.prefills["prefill-0"].preemptions == 0
+    assert not any(isinstance(e, RequestPreempted) for e in log)
+
+
+def test_kvplane_show_prints_a_runs_preemptions_from_its_events(tmp_path) -> None:
+    """Recorded through the real CLI: `kvplane show` counts the run's RequestPreempted
+    events (a sweep: its points' too), in its text and its JSON."""
+    import json
+
+    import yaml
+    from sqlalchemy import func, select
+    from typer.testing import CliRunner
+
+    from kvplane.cli import app
+    from kvplane.store import events_table as E
+    from kvplane.store import open_store
+
+    data = _tight(None)
+    data["sweep"] = {"modes": ["push"], "qps": [4, 8]}
+    path = tmp_path / "tight.yaml"
+    path.write_text(yaml.safe_dump(data))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    cli = CliRunner()
+    res = cli.invoke(app, ["sim", "run", str(path), "--db", db, "--out",
+                           str(tmp_path / "s.json"), "--jobs", "1"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "s.json").read_text())
+    with open_store(db, read_only=True) as store, store.engine.connect() as conn:
+        counted = {run: n for run, n in conn.execute(
+            select(E.c.run, func.count()).where(E.c.type == "RequestPreempted")
+            .group_by(E.c.run))}
+    points = summary["points"]
+    assert [p["preemptions"] for p in points] == [counted.get(p["run_id"], 0) for p in points]
+    busiest = max(points, key=lambda p: p["preemptions"])
+    assert busiest["preemptions"] > 0
+    res = cli.invoke(app, ["show", busiest["run_id"], "--db", db, "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["preemptions"] == busiest["preemptions"]
+    res = cli.invoke(app, ["show", busiest["run_id"], "--db", db])
+    assert f"  {busiest['preemptions']} preemptions\n" in res.output
+    res = cli.invoke(app, ["show", summary["run_id"], "--db", db, "--json"])
+    assert json.loads(res.output)["preemptions"] == sum(p["preemptions"] for p in points)
+
+
+def _conversations(bidirectional: bool) -> tuple[Simulation, list[Event]]:
+    """Three-turn conversations (2k first prompt, 1k more per turn) at 20 new ones per second
+    onto a prefill pool of 400 blocks (6,400 tokens), pull mode, prefix caching off."""
+    from kvplane.sim.runner import engine_config, feed
+    from kvplane.sim.workloads import requests_for_point
+
+    data = load_scenario("seed_bidirectional").model_dump(mode="json")
+    for key in ("sweep", "published", "assumptions"):
+        data.pop(key, None)
+    data["requests"] = 40
+    data["connector"]["bidirectional"] = bidirectional
+    data["workload"].update({"turns": {"mean": 3}, "first_prompt": {"mean": 2048},
+                             "user_tokens": {"mean": 1024}, "output_len": {"mean": 64},
+                             "think_time_s": 0.05, "conversation_rate": 20.0})
+    sc = scenario_from_data(data, file="<test>")
+    point = sc.points()[0]
+    assert point.bidirectional == bidirectional
+    costs = SimCosts.from_scenario(sc)
+    cfg = replace(engine_config(point, costs), prefill_blocks=400)
+    log: list[Event] = []
+    sim = Simulation(cfg, costs, log.append)
+    sim.env.run(until=feed(sim, requests_for_point(point), cfg.decode_layout.block_size))
+    sim.drain()
+    return sim, log
+
+
+def test_prefill_preempts_when_a_request_admitted_during_a_reuse_read_takes_its_suffix() -> None:
+    """vLLM's defaults check a new prompt against the free blocks, not against what a request
+    loading decode's KV will still need for its suffix: with reuse on, a request admitted
+    during a D->P read can leave the reader's suffix without blocks, and the newest running
+    request is preempted. The same conversations without reuse never preempt on prefill. The
+    preempted request recomputes (it never reads decode's KV afterwards), every request ends,
+    the log replays clean and prefill's pool is whole again."""
+    plain, _ = _conversations(False)
+    assert len(plain.done) == 40 and plain.prefills["prefill-0"].preemptions == 0
+    sim, log = _conversations(True)
+    pf = sim.prefills["prefill-0"]
+    pre = [e for e in log if isinstance(e, RequestPreempted) and e.instance == "prefill-0"]
+    assert len(sim.done) == 40 and pre and pf.preemptions == len(pre)
+    for e in pre:
+        reads = [x for x in log if isinstance(x, TransferPlanned) and x.direction == "D->P"]
+        assert any(x.at <= e.at for x in reads)  # a read was under way or done before
+        assert not any(x.request == e.request and x.at > e.at for x in reads)
+        again = [x for x in log if isinstance(x, PrefillStarted) and x.request == e.request]
+        assert again[-1].at >= e.at and again[-1].cached_tokens == 0  # recomputed
+    assert replay(log, final=True).ok
+    assert pf.pool.free == pf.pool.capacity
