@@ -61,6 +61,15 @@ from a two-term model (prefill: fixed + per query-key pair; decode: fixed + per 
 anchored on the published file's first rows, and the report says so. Vidur's MLP and network
 profiles are its own.
 
+Setting the peers up (each in its own virtual environment, outside this repository):
+  Vidur: a checkout of microsoft/vidur (with `git lfs pull` for its profiles, or
+    `--vidur-stand-in`), Python 3.10, `pip install numpy pandas scikit-learn wandb ddsketch
+    plotly_express "plotly<6" "kaleido==0.2.1" matplotlib seaborn fasteners pyyaml` (kaleido 1.x
+    wants a browser download; plotly 6+ wants kaleido 1.x). Its first run trains and caches its
+    models (minutes; about 800 MB in its `cache/`).
+  DistServe: a checkout of LLMServe/DistServe (the `simdistserve` folder is enough), Python 3.11,
+    `pip install simpy pandas numpy tqdm matplotlib tabulate`.
+
 Usage: python benchmarks/sim_peers.py [--repeat 3]
            [--vidur-python PY --vidur-repo DIR [--vidur-stand-in]]
            [--distserve-python PY --distserve-repo DIR] [--save]
