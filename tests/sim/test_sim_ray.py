@@ -31,8 +31,17 @@ SCENARIO: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network here, nor in CI
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 * 1024 * 1024)
+    # Ray gives its raylet a fixed 30 s to register with the GCS; on a host whose cores are
+    # busy (a parallel test run, other work) that start can time out: try again, twice
+    for attempt in range(3):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     object_store_memory=100 * 1024 * 1024)
+            break
+        except Exception:
+            ray.shutdown()
+            if attempt == 2:
+                raise
     try:
         yield
     finally:
