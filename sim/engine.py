@@ -1499,13 +1499,17 @@ class Simulation:
         host; on a shared one, slowed by one draw of the calibration's slowdown of hops of
         that kind (request_leg, response_leg, prefill_step, transfer, first_token,
         decode_step), from
-        the hops that began with as many requests in flight where the calibration has them."""
+        the hops that began with as many requests waiting for their first token where the
+        calibration has them."""
         if cost <= 0:
             return cost
         q = self._host_quantiles.get(kind, ())
-        for least, qs in self._host_by_inflight.get(kind, ()):
-            if len(self.requests) >= least:
-                q = qs
+        bins = self._host_by_inflight.get(kind, ())
+        if bins:  # requests on their way to the first token (this one included)
+            waiting = sum(1 for r in self.requests.values() if r.first_token < 0)
+            for least, qs in bins:
+                if waiting >= least:
+                    q = qs
         if not q:
             return cost
         x = self._host_rng.random() * (len(q) - 1)  # inverse CDF, linear between quantiles

@@ -108,11 +108,12 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
     """The run's measured intervals (seconds), one list per kind, over the pull-mode requests
     without a reuse read; also `ttft` and `tpot` as the router recorded them. `<kind>_at`
     lists, parallel to each hop kind's, hold the hops' start times, and `inflight_<kind>` how
-    many of the run's requests (any mode) were in flight then (arrived at the router, not
-    finished there)."""
+    many of the run's requests (any mode) were in flight then: arrived at the router, their
+    first token not yet out (the requests crossing the legs, steps and transfers priced here;
+    the twin counts the same, whatever its decode timing)."""
     traces = _traces(store, run_id)
-    spans = sorted((t.arrived["router"], t.finished) for t in traces.values()
-                   if "router" in t.arrived and t.finished is not None)
+    spans = sorted((t.arrived["router"], t.first_token) for t in traces.values()
+                   if "router" in t.arrived and t.first_token is not None)
     out: dict[str, list[float]] = defaultdict(list)
 
     def hop(kind: str, start: float, end: float) -> None:
