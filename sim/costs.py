@@ -782,12 +782,6 @@ class SimCosts:
         host)."""
         return {k: tuple(v.quantiles) for k, v in self.calibration.host_slowdown.items()}
 
-    def host_slowdown_by_inflight(self) -> dict[str, tuple[tuple[int, tuple[float, ...]], ...]]:
-        """The same, per hop kind by requests in flight: (least count, quantiles), ascending;
-        kinds without such bins are left out."""
-        return {k: tuple((n, tuple(q)) for n, q in sorted(v.by_inflight.items()))
-                for k, v in self.calibration.host_slowdown.items() if v.by_inflight}
-
     def layout(self, side: Literal["prefill", "decode"]) -> KVLayout:
         """The core's KVLayout of one side."""
         cost = self.prefill if side == "prefill" else self.decode

@@ -102,7 +102,6 @@ class Costs(Protocol):
     def response_leg(self) -> float: ...
     def transfer_setup(self) -> float: ...
     def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]: ...
-    def host_slowdown_by_inflight(self) -> dict[str, tuple[tuple[int, tuple[float, ...]], ...]]: ...
     def empty_step_time(self) -> float: ...
 
 
@@ -1479,7 +1478,6 @@ class Simulation:
         self.env = simpy.Environment()
         self.rec: Record = record or (lambda e: None)
         self._host_quantiles = costs.host_slowdown_quantiles()
-        self._host_by_inflight = costs.host_slowdown_by_inflight()
         self.slowed_steps = "decode_step" in self._host_quantiles
         self._host_rng = np.random.default_rng(self.seed_for("host"))
         self.requests: dict[str, SimRequest] = {}
@@ -1498,19 +1496,9 @@ class Simulation:
         """How long a hop of priced `cost` takes on the host: the cost itself on a dedicated
         host; on a shared one, slowed by one draw of the calibration's slowdown of hops of
         that kind (request_leg, response_leg, prefill_step, transfer, first_token,
-        decode_step), from
-        the hops that began with as many requests waiting for their first token where the
-        calibration has them."""
-        if cost <= 0:
-            return cost
+        decode_step)."""
         q = self._host_quantiles.get(kind, ())
-        bins = self._host_by_inflight.get(kind, ())
-        if bins:  # requests on their way to the first token (this one included)
-            waiting = sum(1 for r in self.requests.values() if r.first_token < 0)
-            for least, qs in bins:
-                if waiting >= least:
-                    q = qs
-        if not q:
+        if not q or cost <= 0:
             return cost
         x = self._host_rng.random() * (len(q) - 1)  # inverse CDF, linear between quantiles
         i = min(int(x), len(q) - 2)

@@ -538,22 +538,14 @@ class HostSlowdown(_Strict):
     """
 
     quantiles: list[float] = Field(min_length=2, description="factors, ascending [1]")
-    by_inflight: dict[int, list[float]] = Field(
-        default_factory=dict, description="the same distribution by how many requests were in "
-        "flight (arrived at the router, first token not yet out) when the hop began: key k "
-        "holds the quantiles of hops that began with k up to the next key's count in flight "
-        "(the last key: k or more); empty: `quantiles` for every count. The stack's own "
-        "requests share the host's cores, so a hop slows with their number [1]")
     source: str = Field(description="'calibrated: ...', how it was measured")
     fitted_to: list[str] = Field(default_factory=list, description="what it was measured from")
 
     @model_validator(mode="after")
     def _ascending(self) -> HostSlowdown:
-        for q in [self.quantiles, *self.by_inflight.values()]:
-            if len(q) < 2 or any(b < a for a, b in itertools.pairwise(q)) or q[0] < 0:
-                raise ValueError("quantiles must be ascending and not negative (two or more)")
-        if any(k < 1 for k in self.by_inflight):
-            raise ValueError("by_inflight keys count requests in flight: 1 or more")
+        q = self.quantiles
+        if any(b < a for a, b in itertools.pairwise(q)) or q[0] < 0:
+            raise ValueError("quantiles must be ascending and not negative")
         return self
 
 

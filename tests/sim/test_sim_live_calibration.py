@@ -150,25 +150,6 @@ def test_cli_calibrate_live_writes_a_loadable_profile(live_db: str, tmp_path: Pa
     assert bad.exit_code == 2 and "no run" in bad.output
 
 
-def test_host_slowdown_by_requests_in_flight() -> None:
-    base = with_values(base_calibration(), request_leg=0.004, response_leg=0.003,
-                       transfer_setup=0.007)
-    plain = one_request(base)
-
-    def legs(by: dict[int, list[float]]) -> CalibrationProfile:
-        return base.model_copy(update={"host_slowdown": {"request_leg": HostSlowdown(
-            quantiles=[1.0, 1.0], by_inflight=by, source="synthetic: for the test")}})
-
-    # a request alone is one in flight: the table of one applies, not the pooled one
-    assert one_request(legs({1: [3.0, 3.0], 2: [50.0, 50.0]})) - plain == pytest.approx(
-        2 * 2 * 0.004, abs=1e-9)
-    assert one_request(legs({1: [1.0, 1.0], 2: [50.0, 50.0]})) == pytest.approx(plain)
-    with pytest.raises(ValueError, match="1 or more"):
-        HostSlowdown(quantiles=[1.0, 1.0], by_inflight={0: [1.0, 2.0]}, source="synthetic")
-    with pytest.raises(ValueError, match="ascending"):
-        HostSlowdown(quantiles=[1.0, 1.0], by_inflight={1: [2.0, 1.0]}, source="synthetic")
-
-
 def test_host_slowdown_of_decode_steps_stretches_the_output_not_the_first_token() -> None:
     sc = load_scenario("live_sample_cpu")
     sc = sc.model_copy(update={"requests": 1, "workload": sc.workload.model_copy(update={
@@ -184,18 +165,3 @@ def test_host_slowdown_of_decode_steps_stretches_the_output_not_the_first_token(
         "decode_step": HostSlowdown(quantiles=[4.0, 4.0], source="synthetic: for the test")}}))
     assert slow_tpot == pytest.approx(4 * tpot, rel=1e-6)
     assert slow_ttft == pytest.approx(ttft, rel=1e-6)
-
-
-def test_fit_bins_hops_by_requests_in_flight() -> None:
-    from kvplane.sim.live_calibration import INFLIGHT_MIN_HOPS, _by_inflight
-
-    m = INFLIGHT_MIN_HOPS
-    # 1 and 2 in flight well populated, 3 thin (joins 2), 4+ well populated
-    slow = [1.0] * m + [2.0] * m + [9.0] * (m - 1) + [5.0] * m
-    inflight = [1.0] * m + [2.0] * m + [3.0] * (m - 1) + [6.0] * m
-    bins = _by_inflight(slow, inflight)
-    assert sorted(bins) == [1, 2, 4]
-    assert bins[1][0] == bins[1][-1] == 1.0
-    assert bins[2][0] == 2.0 and bins[2][-1] == 9.0
-    assert bins[4][0] == bins[4][-1] == 5.0
-    assert _by_inflight(slow[:m], inflight[:m]) == {}  # one bin: the pooled table serves
