@@ -79,7 +79,7 @@ WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 32, max_to
                       interval=0.5)
 WORKLOAD_B = Workload("B", "bidirectional", 48, (), first=100, turns=4, new_tokens=36,
                       max_tokens=24, interval=2.0, think=0.1)
-BLOCKS = 8  # alternating blocks per workload (A: 24 requests, B: 6 conversations each)
+BLOCKS = 24  # alternating blocks per workload (A: 8 requests, B: 2 conversations each)
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -7,10 +7,12 @@ In one session on this machine:
 2. record workload A (tests/live/live_workloads.py WORKLOAD_A: 192 single requests, pull legs,
    nothing retained, prompts 64-384 tokens, one every 0.5 s) and workload B (WORKLOAD_B: 48
    conversations of 4 turns whose turns 2-4 read decode's retained KV, prompts 100-280 tokens,
-   a conversation every 2 s) in alternating blocks (A's first eighth, B's first eighth, ...),
-   each kept as a run of its own: both draw the same shared host, whose other users' load
-   moves within minutes (recorded one after the other, A's host and B's differed by up to a
-   factor of 5 and the verdict followed the host, docs/validation.md);
+   a conversation every 2 s) in 24 alternating blocks each (8 of A's requests, 2 of B's
+   conversations, 8 of A's, ...), each kept as a run of its own: both draw the same shared
+   host, whose other users' load moves within seconds to minutes (recorded one after the
+   other, the verdict followed the host; a block's median TTFT varies by a factor of 9 between
+   blocks 25 s apart, so the more, shorter blocks, the closer A's and B's hosts;
+   docs/validation.md);
 3. fit the CPU calibration from A's recorded events alone (`kvplane.sim.live_calibration`:
    request and response legs through the router, per-transfer set-up, engine step overhead and
    compute efficiency, and the host's per-hop slowdown distribution);
