@@ -10,8 +10,8 @@ In one session on this machine:
    a conversation every 2 s) in 24 alternating blocks each (8 of A's requests, 2 of B's
    conversations, 8 of A's, ...), each kept as a run of its own: both draw the same shared
    host, whose other users' load moves within seconds to minutes (recorded one after the
-   other, the verdict followed the host; a block's median TTFT varies by a factor of 9 between
-   blocks 25 s apart, so the more, shorter blocks, the closer A's and B's hosts;
+   other, the verdict followed the host; a block's median TTFT varied by a factor of 7 between
+   blocks of one session, so the more, shorter blocks, the closer A's and B's hosts;
    docs/validation.md);
 3. fit the CPU calibration from A's recorded events alone (`kvplane.sim.live_calibration`:
    request and response legs through the router, per-transfer set-up, engine step overhead and
