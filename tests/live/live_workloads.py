@@ -147,11 +147,13 @@ def run(url: str, w: Workload, tag: str, block: int = 0, blocks: int = 1) -> lis
 class HostSampler:
     """Samples the host every `period` s in a thread: the run queue (`procs_running` in
     /proc/stat: threads running or ready to run, on all cores) and the one-minute load average,
-    each tagged with the phase set in `phase` (None: not recorded)."""
+    each tagged with the phase set in `phase` (None: not recorded) and stamped with the wall
+    clock (`samples[phase]`: (time, run queue, load average)), so a run's hops can be set
+    against the host's state when they happened."""
 
     def __init__(self, period: float = 0.25) -> None:
         self.phase: str | None = None
-        self.samples: dict[str, list[tuple[int, float]]] = {}
+        self.samples: dict[str, list[tuple[float, int, float]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(period,), daemon=True)
         self._thread.start()
@@ -166,7 +168,7 @@ class HostSampler:
                                if line.startswith("procs_running"))
             with open("/proc/loadavg") as f:
                 load = float(f.read().split()[0])
-            self.samples.setdefault(phase, []).append((running, load))
+            self.samples.setdefault(phase, []).append((time.time(), running, load))
 
     def stop(self) -> None:
         self._stop.set()
@@ -174,11 +176,11 @@ class HostSampler:
 
     def summary(self, phase: str) -> dict[str, float]:
         """Run queue mean and p90, load average min and max over the phase's samples."""
-        xs = self.samples.get(phase) or [(0, 0.0)]
-        runq = sorted(r for r, _ in xs)
+        xs = self.samples.get(phase) or [(0.0, 0, 0.0)]
+        runq = sorted(r for _, r, _ in xs)
         return {"samples": len(xs), "runq_mean": sum(runq) / len(runq),
                 "runq_p90": float(runq[int(0.9 * (len(runq) - 1))]),
-                "load_min": min(x for _, x in xs), "load_max": max(x for _, x in xs)}
+                "load_min": min(x for _, _, x in xs), "load_max": max(x for _, _, x in xs)}
 
     def text(self, phase: str) -> str:
         s = self.summary(phase)

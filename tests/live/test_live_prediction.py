@@ -101,7 +101,8 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
               "error_p90": res.error(0.9), "interval_p50": res.live_interval(0.5),
               "interval_p90": res.live_interval(0.9), "reads_live": res.reads_live,
               "reads_twin": res.reads_twin},
-        "host": host, "verdict": {str(p): v for p, v in verdicts.items()},
+        "host": host, "host_samples": sampler.samples,
+        "verdict": {str(p): v for p, v in verdicts.items()},
         "report": report}, indent=1))
     # B is the workload it claims to be: every request recorded, later turns read decode's KV
     assert len(res.live) == len(b)
