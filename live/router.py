@@ -112,6 +112,8 @@ from .router_upstream import (
     side_unhold,
 )
 
+UPSTREAM_KEEPALIVE = 4.0  # seconds an idle connection to an engine is kept for reuse
+
 log = logging.getLogger("kvplane.router")
 
 T = TypeVar("T")
@@ -227,7 +229,13 @@ class Router(ContactsMixin, LeasesMixin):
     async def _startup(self, _app: web.Application) -> None:
         self._started = time.monotonic()
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0), auto_decompress=False
+            # an idle pooled connection is dropped before the engine's HTTP server closes it
+            # (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s); aiohttp's default (15 s) reuses ones
+            # the server has closed when a loaded host has not yet read the close, and the leg
+            # fails ("Can not write request body")
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                           keepalive_timeout=UPSTREAM_KEEPALIVE),
+            auto_decompress=False,
         )
         # rebuilt conversations count as active from now: a restart must not idle them out
         for key in self.table.handles:

@@ -1189,6 +1189,11 @@ class DecodeInstance(Instance):
             else:
                 k, crossings = self._fit(min(r.output - r.done_tokens for r in self.running))
                 durations = costs.decode_step_times(batch, ctx, k)
+            if self.sim.slowed_steps:  # a shared host: each step slowed by its own draw,
+                # but a joining request's first step, which its first_token hop covers
+                fresh = any(r.done_tokens == 0 for r in self.running)
+                durations = [d if i == 0 and fresh else self.sim.hop(d, "decode_step")
+                             for i, d in enumerate(durations)]
             start = env.now
             self.plan = (start + stall, list(itertools.accumulate(durations)), crossings)
             if self.preempted_in_step:
@@ -1576,6 +1581,7 @@ class Simulation:
         self.env = simpy.Environment()
         self.rec: Record = record or (lambda e: None)
         self._host_quantiles = costs.host_slowdown_quantiles()
+        self.slowed_steps = "decode_step" in self._host_quantiles
         self._host_rng = np.random.default_rng(self.seed_for("host"))
         self.requests: dict[str, SimRequest] = {}
         self.done: list[SimRequest] = []
@@ -1592,7 +1598,8 @@ class Simulation:
     def hop(self, cost: float, kind: str) -> float:
         """How long a hop of priced `cost` takes on the host: the cost itself on a dedicated
         host; on a shared one, slowed by one draw of the calibration's slowdown of hops of
-        that kind (request_leg, response_leg, prefill_step, transfer, first_token)."""
+        that kind (request_leg, response_leg, prefill_step, transfer, first_token,
+        decode_step)."""
         q = self._host_quantiles.get(kind, ())
         if not q or cost <= 0:
             return cost

@@ -13,9 +13,9 @@ shared host only ever slows a hop:
 | `request_leg` | router's arrival -> prefill scheduler's arrival, and router's relay -> decode scheduler's arrival (one leg each, pooled) |
 | `response_leg` | prefill's `PrefillFinished` -> the router's `MetadataRelayed` (prefill's answer through the router) |
 | `transfer_setup` | decode's P->D `TransferPlanned` -> `TransferCompleted`, less the bytes' time on the link |
-| `step_overhead` | a decode step: the router's TPOT less a batch-1 step's priced arithmetic |
-| `compute_utilization` | prefill's one-step durations (lower quintile per prompt length) against their FLOPs, through the step overhead (least squares) |
-| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, and the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg), recorded duration over priced cost: how much the host slowed that kind of hop, as quantiles |
+| `step_overhead` | an engine step's fixed part: the intercept of a line through prefill's one-step durations (lower quintile per prompt length) against their FLOPs (else the router's time per output token less a batch-1 step's arithmetic) |
+| `compute_utilization` | the slope of that line |
+| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg; and a decode step: the time per output token after the first), recorded duration over priced cost: how much the host slowed that kind of hop, as all of them (the quantiles at probabilities i/(n-1)) |
 
 Only pull-mode requests without a reuse read are used (the shape of every leg is then known).
 What a run cannot show stays as it was in the prior calibration (memory and network
@@ -44,6 +44,7 @@ class _Trace:
 
     arrived: dict[str, float] = field(default_factory=dict)  # instance -> RequestArrived
     prompt: int = 0
+    max_tokens: int = 0  # output tokens asked for (the workloads ignore EOS: all are made)
     prefill_started: float | None = None
     computed: int = 0
     cached: int = 0
@@ -57,6 +58,7 @@ class _Trace:
     kv_received: float | None = None
     first_token: float | None = None
     tpot: float | None = None
+    finished: float | None = None  # the router's RequestFinished
     mode: str = ""
 
 
@@ -72,6 +74,7 @@ def _traces(store: EventStore, run_id: str) -> dict[str, _Trace]:
             t.arrived.setdefault(inst, e.at)
             if inst == "router":
                 t.prompt = e.prompt_tokens  # type: ignore[attr-defined]
+                t.max_tokens = e.output_tokens  # type: ignore[attr-defined]
         elif name == "RequestRouted":
             t.mode = e.mode  # type: ignore[attr-defined]
         elif name == "PrefillStarted" and t.prefill_started is None:
@@ -97,13 +100,20 @@ def _traces(store: EventStore, run_id: str) -> dict[str, _Trace]:
             t.first_token = e.at
         elif name == "RequestFinished" and inst == "router":
             t.tpot = e.tpot  # type: ignore[attr-defined]
+            t.finished = e.at
     return out
 
 
 def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
     """The run's measured intervals (seconds), one list per kind, over the pull-mode requests
-    without a reuse read; also `ttft` and `tpot` as the router recorded them."""
+    without a reuse read; also `ttft` and `tpot` as the router recorded them, and
+    `decode_token`: the router's time from the first token to the last over the tokens made
+    after the first."""
     out: dict[str, list[float]] = defaultdict(list)
+
+    def hop(kind: str, start: float, end: float) -> None:
+        out[kind].append(end - start)
+
     for t in _traces(store, run_id).values():
         router = t.arrived.get("router")
         if router is None or t.mode != "pull" or t.d2p or t.first_token is None:
@@ -113,20 +123,23 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
         if t.tpot is not None and t.tpot > 0:
             out["tpot"].append(t.tpot)
         if pf is not None:
-            out["request_leg"].append(pf - router)
+            hop("request_leg", router, pf)
         if dec is not None and t.relayed is not None:
-            out["request_leg"].append(dec - t.relayed)
+            hop("request_leg", t.relayed, dec)
         if t.prefill_finished is not None and t.relayed is not None:
-            out["response_leg"].append(t.relayed - t.prefill_finished)
+            hop("response_leg", t.prefill_finished, t.relayed)
         if t.prefill_started is not None and t.prefill_finished is not None and not t.cached:
-            out["prefill_step"].append(t.prefill_finished - t.prefill_started)
+            hop("prefill_step", t.prefill_started, t.prefill_finished)
             out["prefill_tokens"].append(float(t.computed))
         if t.p2d_planned is not None and t.p2d_done is not None:
-            out["p2d_transfer"].append(t.p2d_done - t.p2d_planned)
+            hop("p2d_transfer", t.p2d_planned, t.p2d_done)
             out["p2d_bytes"].append(float(t.p2d_bytes))
         if t.kv_received is not None:
-            out["kv_to_first_token"].append(t.first_token - t.kv_received)
+            hop("kv_to_first_token", t.kv_received, t.first_token)
             out["kv_context"].append(float(t.prompt))
+        if t.finished is not None and t.max_tokens > 1:  # after the first token, per token
+            out["decode_token"].append((t.finished - t.first_token) / (t.max_tokens - 1))
+            out["decode_context"].append(float(t.prompt + t.max_tokens / 2))
     return dict(out)
 
 
@@ -152,7 +165,6 @@ def _fitted(value: float, unit: str, run_id: str, used: list[str], how: str) -> 
 
 
 QUIET = 0.2  # the quantile taken as a hop's uncontended cost
-HOST_QUANTILES = 21  # quantiles kept of the host delay distribution
 
 
 def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: HardwareProfile,
@@ -174,15 +186,25 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         update={"value": 0.0})})
     compute = ComputeCost(model, hardware, None, block_size, bare)
     ctx = statistics.median(iv["kv_context"])
-    overhead = max(_q(iv["tpot"], QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
     # prefill step = overhead + FLOPs / (peak x mfu): the lower quintile of each prompt
-    # length's steps, one slope through the overhead
+    # length's one-step prefills, one line (least squares); its intercept is an engine step's
+    # fixed part. (A loaded API server coalesces the stream, so the router's time per output
+    # token can fall below a step: it only serves when the line has no positive intercept.)
     by_len: dict[int, list[float]] = defaultdict(list)
     for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True):
         by_len[int(n)].append(d)
-    pts = [(compute.flops(n, n * (n + 1) / 2.0, 1), max(_q(ds, QUIET) - overhead, 0.0))
+    pts = [(compute.flops(n, n * (n + 1) / 2.0, 1), _q(ds, QUIET))
            for n, ds in sorted(by_len.items())]
-    slope = sum(f * x for f, x in pts) / sum(f * f for f, _ in pts)
+    per_token = iv.get("decode_token") or iv["tpot"]
+    mf, my = (statistics.fmean(f for f, _ in pts), statistics.fmean(y for _, y in pts))
+    var = sum((f - mf) ** 2 for f, _ in pts)
+    slope = sum((f - mf) * (y - my) for f, y in pts) / var if var > 0 else 0.0
+    overhead = my - slope * mf
+    overhead_from = "prefill_step"
+    if slope <= 0 or overhead <= 0:  # no line: the decode time per token, one slope through it
+        overhead = max(_q(per_token, QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
+        overhead_from = "decode_token"
+        slope = (sum(f * max(y - overhead, 0.0) for f, y in pts) / sum(f * f for f, _ in pts))
     peak = compute.flops_per_second / prior.compute_utilization.value
     mfu = min(max(1.0 / (slope * peak), 1e-6), 1.0) if slope > 0 else 1.0
     wire = TransferCost(hardware, "network", prior)
@@ -204,16 +226,21 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                          for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True)],
         "first_token": [(d, overhead + priced.decode_step_time(1, int(c)) + resp)
                         for d, c in zip(iv["kv_to_first_token"], iv["kv_context"], strict=True)],
+        "decode_step": [(d, overhead + priced.decode_step_time(1, int(c)))
+                        for d, c in zip(iv.get("decode_token", []), iv.get("decode_context", []),
+                                        strict=True)],
     }
+    # every recorded factor is kept, ascending (the quantiles at probabilities i/(n-1)): a
+    # coarse table (21 quantiles) interpolates its top 5 % of draws between the 95th percentile
+    # and the run's one worst stall, so one 20 s stall among 192 hops weighed as 5 % of draws
     slowdown: dict[str, HostSlowdown] = {}
     for kind, xs in pairs.items():
-        slow = [max(x, 0.0) / cost for x, cost in xs if cost > 0]
+        slow = sorted(max(x, 0.0) / cost for x, cost in xs if cost > 0)
         if slow:
             slowdown[kind] = HostSlowdown(
-                quantiles=[_q(slow, i / (HOST_QUANTILES - 1)) for i in range(HOST_QUANTILES)],
-                fitted_to=[f"live:{run_id}:{kind}"],
+                quantiles=slow if len(slow) > 1 else slow * 2, fitted_to=[f"live:{run_id}:{kind}"],
                 source=f"calibrated: kvplane calibrate live {run_id}, {len(slow)} {kind} hops' "
-                       "recorded duration over their priced cost")
+                       "recorded duration over their priced cost, every one")
     n = len(iv["ttft"])
     upd: dict[str, object] = {
         "request_leg": _fitted(leg, "s", run_id, ["request_leg"],
@@ -225,13 +252,16 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         "transfer_setup": _fitted(setup, "s", run_id, ["p2d_transfer"],
                                   f"lower quintile of {len(setups)} P->D transfers less their "
                                   "bytes' time on the link"),
-        "step_overhead": _fitted(overhead, "s", run_id, ["tpot"],
-                                 f"lower quintile of {len(iv['tpot'])} requests' TPOT less a "
-                                 "batch-1 step's priced arithmetic"),
+        "step_overhead": _fitted(overhead, "s", run_id, [overhead_from], (
+            f"intercept of a line (least squares) through the lower quintiles of {len(pts)} "
+            "prompt lengths' one-step prefills against their FLOPs"
+            if overhead_from == "prefill_step" else
+            f"lower quintile of {len(per_token)} requests' time per output token after the "
+            "first less a batch-1 step's priced arithmetic")),
         "compute_utilization": _fitted(mfu, "fraction", run_id, ["prefill_step"],
-                                       f"least squares over the lower quintiles of "
-                                       f"{len(pts)} prompt lengths' one-step prefills "
-                                       "(duration less step_overhead against FLOPs)"),
+                                       f"slope of a line (least squares) through the lower "
+                                       f"quintiles of {len(pts)} prompt lengths' one-step "
+                                       "prefills against their FLOPs"),
         # the recorded legs are this run's whole per-request delay
         "prefill_request_overhead": Fitted(value=0.0, unit="s", source=(
             f"derived: kvplane calibrate live {run_id}: the recorded legs replace it")),

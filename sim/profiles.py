@@ -524,7 +524,8 @@ class ScenarioChoice(_Strict):
     fitted_to: list[str] = Field(default_factory=list, description="figure ids it was chosen from")
 
 
-HopKind = Literal["request_leg", "response_leg", "prefill_step", "transfer", "first_token"]
+HopKind = Literal["request_leg", "response_leg", "prefill_step", "transfer", "first_token",
+                  "decode_step"]
 
 
 class HostSlowdown(_Strict):

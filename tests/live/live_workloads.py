@@ -6,12 +6,18 @@ own recorded run: the calibration set (A) and the workload predicted from it (B)
 - `warm_up` sends untimed requests over the prompt lengths both workloads use (a CPU's first
   request of a new prompt shape is slow) and one short conversation with reuse (the first
   D->P read makes prefill's NIXL handshake with decode).
-- `WORKLOAD_A`: single requests, pull mode, reuse off, prompts 64-384 tokens, 16 output
-  tokens, one every 0.5 s. `WORKLOAD_B`: conversations of 4 turns through the router's
-  bidirectional mode (pull legs + reuse of decode's retained KV), prompts 100-280 tokens, 24
-  output tokens, a conversation every 2 s, 0.1 s think time. Other lengths, another rate,
-  reuse on.
-  36 and 32 requests: on a shared host a TTFT percentile of fewer requests is mostly luck.
+- `WORKLOAD_A`: single requests (pull legs, nothing retained), prompts 64-384 tokens, 16
+  output tokens, one every 0.5 s. `WORKLOAD_B`: conversations of 4 turns (pull legs + reuse of
+  decode's retained KV), prompts 100-280 tokens, 24 output tokens, a conversation every 2 s,
+  0.1 s think time. Other lengths, another rate, reuse on. 192 requests each: with 32, the
+  recorded p50's own sampling spread (about 25 %) exceeds the 10 % target.
+- `interleave` records them in alternating blocks (A's first slice, B's first, A's second,
+  ...) through one router in bidirectional mode (a request without a conversation id is a plain
+  pull request there: nothing retained), each block finished before the next starts, so both
+  workloads draw the same host: on a shared machine the other users' load moves within minutes,
+  and two runs recorded one after the other see different hosts.
+- `HostSampler` samples the host's run queue (`procs_running` of /proc/stat) and load average
+  during each workload's blocks: the host condition each saw, for the report.
 - `keep_run` copies the events of one workload's requests (router and both connectors, by
   request id) into a run of its own, with the scenario it ran under in `meta.scenario`, so
   `kvplane calibrate live` and `kvplane twin` take it as any recorded run.
@@ -28,6 +34,7 @@ import json
 import random
 import sqlite3
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -68,10 +75,11 @@ class Workload:
 # open loop: requests (A) and conversations (B) start on a fixed schedule whatever the host
 # does, as a twin replays them (a closed-loop client would hide a slow request's effect on
 # the next one's start, which the twin cannot know)
-WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 6, max_tokens=16,
+WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 32, max_tokens=16,
                       interval=0.5)
-WORKLOAD_B = Workload("B", "bidirectional", 8, (), first=100, turns=4, new_tokens=36,
+WORKLOAD_B = Workload("B", "bidirectional", 48, (), first=100, turns=4, new_tokens=36,
                       max_tokens=24, interval=2.0, think=0.1)
+BLOCKS = 24  # alternating blocks per workload (A: 8 requests, B: 2 conversations each)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -102,18 +110,21 @@ def stream(client: httpx.Client, url: str, toks: list[int], max_tokens: int,
     return rid, ids
 
 
-def run(url: str, w: Workload, tag: str) -> list[str]:
-    """Send workload `w` through the router at `url`; the router's request ids, in order of
-    start. Starts follow `w.interval` (open loop); a conversation's turns follow each other."""
+def run(url: str, w: Workload, tag: str, block: int = 0, blocks: int = 1) -> list[str]:
+    """Send workload `w` (its `block`-th of `blocks` equal slices) through the router at `url`;
+    the router's request ids, in order of start. Starts follow `w.interval` (open loop); a
+    conversation's turns follow each other. Returns when every request of the slice is done."""
     t0 = time.monotonic() + 0.2
+    items = w.conversations or len(w.lengths)
+    lo, hi = block * items // blocks, (block + 1) * items // blocks
 
     def single(i: int, n: int) -> list[str]:
-        time.sleep(max(t0 + i * w.interval - time.monotonic(), 0.0))
+        time.sleep(max(t0 + (i - lo) * w.interval - time.monotonic(), 0.0))
         with httpx.Client(timeout=300) as client:
             return [stream(client, url, prompt(1000 * i + n, n), w.max_tokens, None)[0]]
 
     def conversation(c: int) -> list[str]:
-        time.sleep(max(t0 + c * w.interval - time.monotonic(), 0.0))
+        time.sleep(max(t0 + (c - lo) * w.interval - time.monotonic(), 0.0))
         out, history = [], prompt(50_000 + c, w.first)
         with httpx.Client(timeout=300) as client:
             for turn in range(w.turns):
@@ -127,10 +138,69 @@ def run(url: str, w: Workload, tag: str) -> list[str]:
 
     with cf.ThreadPoolExecutor(16) as pool:
         if w.conversations:
-            futures = [pool.submit(conversation, c) for c in range(w.conversations)]
+            futures = [pool.submit(conversation, c) for c in range(lo, hi)]
         else:
-            futures = [pool.submit(single, i, n) for i, n in enumerate(w.lengths)]
+            futures = [pool.submit(single, i, w.lengths[i]) for i in range(lo, hi)]
         return [rid for f in futures for rid in f.result()]
+
+
+class HostSampler:
+    """Samples the host every `period` s in a thread: the run queue (`procs_running` in
+    /proc/stat: threads running or ready to run, on all cores) and the one-minute load average,
+    each tagged with the phase set in `phase` (None: not recorded) and stamped with the wall
+    clock (`samples[phase]`: (time, run queue, load average)), so a run's hops can be set
+    against the host's state when they happened."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.phase: str | None = None
+        self.samples: dict[str, list[tuple[float, int, float]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(period,), daemon=True)
+        self._thread.start()
+
+    def _loop(self, period: float) -> None:
+        while not self._stop.wait(period):
+            phase = self.phase
+            if phase is None:
+                continue
+            with open("/proc/stat") as f:
+                running = next(int(line.split()[1]) for line in f
+                               if line.startswith("procs_running"))
+            with open("/proc/loadavg") as f:
+                load = float(f.read().split()[0])
+            self.samples.setdefault(phase, []).append((time.time(), running, load))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self, phase: str) -> dict[str, float]:
+        """Run queue mean and p90, load average min and max over the phase's samples."""
+        xs = self.samples.get(phase) or [(0.0, 0, 0.0)]
+        runq = sorted(r for _, r, _ in xs)
+        return {"samples": len(xs), "runq_mean": sum(runq) / len(runq),
+                "runq_p90": float(runq[int(0.9 * (len(runq) - 1))]),
+                "load_min": min(x for _, _, x in xs), "load_max": max(x for _, _, x in xs)}
+
+    def text(self, phase: str) -> str:
+        s = self.summary(phase)
+        return (f"{phase}: run queue mean {s['runq_mean']:.1f} (p90 {s['runq_p90']:.0f}), load "
+                f"average {s['load_min']:.1f}-{s['load_max']:.1f} ({s['samples']:.0f} samples)")
+
+
+def interleave(url: str, workloads: list[Workload], blocks: int,
+               sampler: HostSampler | None = None) -> dict[str, list[str]]:
+    """Record `workloads` in alternating blocks (each its `blocks` slices in turn, a block
+    finished before the next starts) through the router at `url`: request ids per workload."""
+    ids: dict[str, list[str]] = {w.name: [] for w in workloads}
+    for block in range(blocks):
+        for w in workloads:
+            if sampler is not None:
+                sampler.phase = w.name
+            ids[w.name] += run(url, w, w.name, block, blocks)
+    if sampler is not None:
+        sampler.phase = None
+    return ids
 
 
 def lengths_of(w: Workload) -> list[int]:
@@ -144,12 +214,12 @@ def lengths_of(w: Workload) -> list[int]:
 
 
 def warm_up(cluster: Any, workloads: list[Workload]) -> None:
-    """Untimed: every prompt length the workloads use (pull), then one reuse conversation."""
-    url = cluster.router.use("pull")
+    """Untimed, through the router in bidirectional mode: every prompt length the workloads use
+    (single requests: pull legs), then one reuse conversation."""
+    url = cluster.router.use("bidirectional")
     with httpx.Client(timeout=300) as client:
         for n in sorted({n for w in workloads for n in lengths_of(w)}):
             stream(client, url, prompt(90_000 + n, n), 8, None)
-        url = cluster.router.use("bidirectional")
         history = prompt(91_000, 96)
         for turn in range(2):
             toks = history if turn == 0 else history + prompt(91_001, 36)

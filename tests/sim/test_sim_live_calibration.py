@@ -118,9 +118,9 @@ def test_fit_live_measures_the_recorded_legs(live_db: str) -> None:
     assert cal.request_leg.value == pytest.approx(percentile(legs, 0.2))
     assert cal.request_leg.fitted_to == ["live:live-sample:request_leg"]
     assert cal.response_leg.value > 0 and cal.transfer_setup.value > 0
-    assert cal.step_overhead.fitted_to == ["live:live-sample:tpot"]
+    assert cal.step_overhead.fitted_to == ["live:live-sample:decode_token"]
     assert set(cal.host_slowdown) == {"request_leg", "response_leg", "transfer",
-                                      "prefill_step", "first_token"}
+                                      "prefill_step", "first_token", "decode_step"}
     assert all(min(h.quantiles) >= 0 for h in cal.host_slowdown.values())
     assert "network_utilization" in fit.kept
 
@@ -148,3 +148,20 @@ def test_cli_calibrate_live_writes_a_loadable_profile(live_db: str, tmp_path: Pa
     assert isinstance(prof, CalibrationProfile) and prof.host_slowdown
     bad = CliRunner().invoke(app, ["calibrate", "live", "no-such-run", "--db", live_db])
     assert bad.exit_code == 2 and "no run" in bad.output
+
+
+def test_host_slowdown_of_decode_steps_stretches_the_output_not_the_first_token() -> None:
+    sc = load_scenario("live_sample_cpu")
+    sc = sc.model_copy(update={"requests": 1, "workload": sc.workload.model_copy(update={
+        "turns": sc.workload.turns.model_copy(update={"mean": 1.0})})})
+    base = with_values(base_calibration(), step_overhead=0.002)
+
+    def tpot_ttft(cal: CalibrationProfile) -> tuple[float, float]:
+        _, s = simulate(apply_calibration(sc, cal).points()[0], drain=False)
+        return float(s["tpot_ms"]["mean"]), float(s["ttft_ms"]["mean"])
+
+    tpot, ttft = tpot_ttft(base)
+    slow_tpot, slow_ttft = tpot_ttft(base.model_copy(update={"host_slowdown": {
+        "decode_step": HostSlowdown(quantiles=[4.0, 4.0], source="synthetic: for the test")}}))
+    assert slow_tpot == pytest.approx(4 * tpot, rel=1e-6)
+    assert slow_ttft == pytest.approx(ttft, rel=1e-6)
