@@ -34,7 +34,6 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from operator import is_not, ne, not_, or_, sub
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -204,30 +203,99 @@ def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     return tuple(format(h, "016x") for h in hashes.tolist())
 
 
+class LruRing:
+    """The hashed free blocks in LRU order (least recently freed first), on numpy arrays.
+
+    `order` lists blocks by the position they were appended at; `pos[b]` is block b's position
+    while it waits here, -1 otherwise. Taking a block out of the middle (a cache hit) only
+    clears its `pos`, leaving a stale entry that a pop from the front skips; when the array is
+    full the live entries are moved to its start (each append is paid for once). A take, an
+    append or a membership test of a request's blocks is a few array operations, and nothing
+    grows with the holes (an `OrderedDict` did the same, one Python-level node a block).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.pos = np.full(n, -1, dtype=np.int64)
+        self.order = np.empty(2 * n + 64, dtype=np.int64)
+        self.head = 0  # the first position that may be live
+        self.tail = 0  # the next position to append at
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def mask(self, blocks: np.ndarray) -> np.ndarray:
+        """Which of `blocks` wait here."""
+        return self.pos[blocks] >= 0
+
+    def append(self, blocks: np.ndarray) -> None:
+        """At the back, in order (blocks that are not here yet, each once)."""
+        m = len(blocks)
+        if not m:
+            return
+        if self.tail + m > len(self.order):
+            self._compact(m)
+        self.order[self.tail:self.tail + m] = blocks
+        self.pos[blocks] = np.arange(self.tail, self.tail + m)
+        self.tail += m
+        self.count += m
+
+    def remove(self, blocks: np.ndarray) -> None:
+        """Out of the middle (blocks that are here)."""
+        self.pos[blocks] = -1
+        self.count -= len(blocks)
+
+    def popleft(self, n: int) -> np.ndarray:
+        """The `n` least recently freed blocks (n <= count), out of the queue."""
+        parts: list[np.ndarray] = []
+        need = n
+        while need > 0:
+            w = min(self.tail - self.head, max(2 * need, 64))
+            window = self.order[self.head:self.head + w]
+            live = np.flatnonzero(self.pos[window] == np.arange(self.head, self.head + w))
+            if len(live) >= need:
+                parts.append(window[live[:need]])
+                self.head += int(live[need - 1]) + 1
+                break
+            parts.append(window[live])
+            need -= len(live)
+            self.head += w
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.pos[out] = -1
+        self.count -= n
+        return out
+
+    def _compact(self, m: int) -> None:
+        window = self.order[self.head:self.tail]
+        live = window[self.pos[window] == np.arange(self.head, self.tail)]
+        if len(live) + m > len(self.order):
+            self.order = np.empty(2 * (len(live) + m), dtype=np.int64)
+        self.order[:len(live)] = live
+        self.pos[live] = np.arange(len(live))
+        self.head, self.tail = 0, len(live)
+
+
 class FreeBlockQueue:
     """vLLM v1's queue of free blocks, kept as runs.
 
     vLLM puts a freed block without a prefix-cache hash at the front and one with a hash at the
     back, and only hashed blocks are ever taken out of the middle (a cache hit). So the queue is
     a deque of runs `(start, length, step)` (step +1 or -1) followed by the hashed blocks in
-    LRU order; allocation pops runs first, then the least recently freed hashed blocks.
+    LRU order (`LruRing`); allocation pops runs first, then the least recently freed hashed
+    blocks.
     """
 
     def __init__(self, n: int) -> None:
         self.runs: deque[tuple[int, int, int]] = deque([(0, n, 1)] if n else [])
         self.in_runs = n
-        # hashed free blocks, least recently freed first. An OrderedDict, not a dict: blocks
-        # leave from the front, and a plain dict keeps the holes they leave until it resizes,
-        # so that finding its first key walks over them (in a full prefix cache, a few hundred
-        # thousand: 5x slower per request, and slower the longer the run)
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.lru = LruRing(n)
 
     def __len__(self) -> int:
         return self.in_runs + len(self.lru)
 
     def __contains__(self, block: int) -> bool:
         """Whether a hashed block is free (only hashed blocks are asked about)."""
-        return block in self.lru
+        return bool(self.lru.pos[block] >= 0)
 
     def popleft_n(self, n: int) -> list[int]:
         out: list[int] = []
@@ -239,20 +307,22 @@ class FreeBlockQueue:
                 self.runs.appendleft((start + step * k, length - k, step))
             self.in_runs -= k
         if len(out) < n:
-            taken = list(itertools.islice(self.lru, n - len(out)))
-            deque(map(self.lru.__delitem__, taken), maxlen=0)
-            out.extend(taken)
+            out.extend(self.lru.popleft(n - len(out)).tolist())
         return out
 
     @staticmethod
-    def _as_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
-        steps = list(map(sub, blocks[1:], blocks))
+    def _as_runs(blocks: list[int] | np.ndarray) -> list[tuple[int, int, int]]:
+        if len(blocks) == 0:
+            return []
+        arr = np.asarray(blocks, dtype=np.int64)
+        steps = np.diff(arr)
         for step in (1, -1):
-            if -step not in steps:  # one direction only: runs end where a step is not `step`
-                ends = [*itertools.compress(range(1, len(blocks)),
-                                            map(ne, steps, itertools.repeat(step))), len(blocks)]
-                return [(blocks[a], b - a, step if b - a > 1 else 1)
-                        for a, b in zip([0, *ends[:-1]], ends)] if blocks else []
+            if not (steps == -step).any():  # one direction only: runs end where a step is not
+                ends = [*(np.flatnonzero(steps != step) + 1).tolist(), len(arr)]
+                starts = arr[[0, *ends[:-1]]].tolist()
+                return [(s, b - a, step if b - a > 1 else 1)
+                        for s, a, b in zip(starts, [0, *ends[:-1]], ends)]
+        blocks = arr.tolist()
         runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(blocks):
@@ -264,20 +334,20 @@ class FreeBlockQueue:
             i = j
         return runs
 
-    def prepend_n(self, blocks: list[int]) -> None:
+    def prepend_n(self, blocks: list[int] | np.ndarray) -> None:
         self.runs.extendleft(reversed(self._as_runs(blocks)))
         self.in_runs += len(blocks)
 
-    def append_n(self, blocks: list[int]) -> None:
+    def append_n(self, blocks: list[int] | np.ndarray) -> None:
         """Hashed blocks go to the LRU tail; others (the synthetic history's skips) end the runs."""
-        self.lru.update(dict.fromkeys(blocks))
+        self.lru.append(np.asarray(blocks, dtype=np.int64))
 
-    def append_unhashed(self, blocks: list[int]) -> None:
+    def append_unhashed(self, blocks: list[int] | np.ndarray) -> None:
         self.runs.extend(self._as_runs(blocks))
         self.in_runs += len(blocks)
 
     def remove(self, block: int) -> None:
-        del self.lru[block]
+        self.lru.remove(np.array([block], dtype=np.int64))
 
 
 class SyntheticQueue:
@@ -378,9 +448,11 @@ class BlockPool:
         self.run_blocks = run_blocks
         self.rng = np.random.default_rng(seed)
         self.prefix_caching = prefix_caching
-        self.ref: dict[int, int] = {}
+        m = 0 if synthetic else n
+        self.ref = np.zeros(m, dtype=np.int32)  # block -> requests holding it
         self.block_of: dict[int, int] = {}  # prefix hash -> cached block
-        self.hash_of: dict[int, int] = {}  # cached block -> its hash
+        self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
+        self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
@@ -396,12 +468,12 @@ class BlockPool:
         if self.ring is not None:
             return self.ring.take(n, self.rng.geometric(1.0 / self.run_blocks, size=n))
         out = self.queue.popleft_n(n)
-        ref, hash_of = self.ref, self.hash_of
-        ref.update(dict.fromkeys(out, 1))
-        if hash_of:  # taking a cached block from the head evicts its hash
-            gone = list(map(hash_of.pop, out, itertools.repeat(None)))
-            deque(map(self.block_of.pop, itertools.compress(
-                gone, map(is_not, gone, itertools.repeat(None)))), maxlen=0)
+        arr = np.array(out, dtype=np.int64)
+        self.ref[arr] = 1
+        cached = arr[self.hashed[arr]]
+        if len(cached):  # taking a cached block from the head evicts its hash
+            self.hashed[cached] = False
+            deque(map(self.block_of.pop, self.hash_of[cached].tolist()), maxlen=0)
         return tuple(out)
 
     def give(self, blocks: tuple[int, ...]) -> None:
@@ -409,22 +481,23 @@ class BlockPool:
         if self.ring is not None:  # synthetic history: back of the queue, in order
             self.ring.append(blocks)
             return
-        ref, hash_of = self.ref, self.hash_of
-        rev = blocks[::-1]
-        if list(map(ref.get, rev, itertools.repeat(1))).count(1) == len(rev):
-            # the usual case: every block's last holder frees it (C-level passes)
-            deque(map(ref.pop, rev, itertools.repeat(None)), maxlen=0)
-            front = list(itertools.filterfalse(hash_of.__contains__, rev))
-            back = list(filter(hash_of.__contains__, rev)) if hash_of else []
+        ref, hashed = self.ref, self.hashed
+        rev = np.array(blocks[::-1], dtype=np.int64)
+        if (ref[rev] <= 1).all():
+            # the usual case: every block's last holder frees it
+            ref[rev] = 0
+            mask = hashed[rev]
+            front, back = rev[~mask], rev[mask]
         else:
-            front, back = [], []
-            for b in rev:
-                left = ref.get(b, 1) - 1
+            fl, bl = [], []
+            for b in rev.tolist():
+                left = int(ref[b]) - 1
                 if left > 0:
                     ref[b] = left
                     continue
-                ref.pop(b, None)
-                (back if b in hash_of else front).append(b)
+                ref[b] = 0
+                (bl if hashed[b] else fl).append(b)
+            front, back = np.array(fl, dtype=np.int64), np.array(bl, dtype=np.int64)
         if self.reuse == "lifo":
             self.queue.prepend_n(front)
         else:  # earlier vLLM V1 releases: every freed block to the back
@@ -433,52 +506,71 @@ class BlockPool:
 
     def hits(self, hashes: list[int], limit: int) -> list[int]:
         """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks)."""
-        out = list(map(self.block_of.get, hashes[:limit]))
-        if None in out:
-            del out[out.index(None):]
+        get = self.block_of.get
+        out: list[int] = []
+        i, step, end = 0, 64, min(limit, len(hashes))
+        while i < end:  # in growing slices, stopping at the first miss
+            part = list(map(get, hashes[i:min(i + step, end)]))
+            if None in part:
+                out += part[:part.index(None)]
+                break
+            out += part
+            i += step
+            step = min(step * 4, 4096)
         return out  # type: ignore[return-value]  # the Nones are cut off
 
     def free_of(self, blocks: list[int]) -> list[int]:
         """Those of `blocks` (cache hits) that no request holds: they wait in the free queue."""
-        return list(filter(self.queue.lru.__contains__, blocks))
+        if not blocks:
+            return []
+        arr = np.array(blocks, dtype=np.int64)
+        return arr[self.queue.lru.mask(arr)].tolist()  # type: ignore[no-any-return]
 
     def free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left once `blocks` (cache hits) are taken out of the queue."""
         return self.free - len(self.free_of(blocks))
 
     def touch(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
         lru, ref = self.queue.lru, self.ref
-        free = self.free_of(blocks)
-        if len(free) == len(blocks) and len(set(blocks)) == len(blocks):
+        arr = np.array(blocks, dtype=np.int64)
+        free = lru.mask(arr)
+        if free.all() and len(np.unique(arr)) == len(arr):
             # the usual case, distinct free blocks (no holder): out of the queue, one holder
-            deque(map(lru.pop, blocks), maxlen=0)
-            ref.update(dict.fromkeys(blocks, 1))
+            lru.remove(arr)
+            ref[arr] = 1
             return
         for b in blocks:
-            if b in lru:
-                del lru[b]
-            ref[b] = ref.get(b, 0) + 1
+            if lru.pos[b] >= 0:
+                lru.remove(np.array([b], dtype=np.int64))
+            ref[b] += 1
 
     def cache(self, hashes: list[int], blocks: tuple[int, ...]) -> None:
         """Register the full blocks of a computed prompt in the prefix cache."""
         if not self.prefix_caching:
             return
-        block_of, hash_of = self.block_of, self.hash_of
+        block_of, hashed = self.block_of, self.hashed
         m = min(len(hashes), len(blocks))
-        hashes, blocks = hashes[:m], blocks[:m]
-        # pairs whose hash is not cached yet and whose block has no hash: C-level passes
-        known = map(or_, map(block_of.__contains__, hashes), map(hash_of.__contains__, blocks))
-        mask = list(map(not_, known))
-        hs = list(itertools.compress(hashes, mask))
-        bs = list(itertools.compress(blocks, mask))
-        if len(set(hs)) == len(hs) and len(set(bs)) == len(bs):  # distinct: all go in at once
-            block_of.update(zip(hs, bs))
-            hash_of.update(zip(bs, hs))
+        if not m:
             return
-        for h, b in zip(hs, bs):
-            if h not in block_of and b not in hash_of:
+        hashes = hashes[:m]
+        arr = np.array(blocks[:m], dtype=np.int64)
+        # pairs whose hash is not cached yet and whose block has no hash
+        mask = ~(np.fromiter(map(block_of.__contains__, hashes), dtype=bool, count=m)
+                 | hashed[arr])
+        hs = list(itertools.compress(hashes, mask.tolist()))
+        bs = arr[mask]
+        if len(set(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct: all at once
+            block_of.update(zip(hs, bs.tolist()))
+            hashed[bs] = True
+            self.hash_of[bs] = hs
+            return
+        for h, b in zip(hs, bs.tolist()):
+            if h not in block_of and not hashed[b]:
                 block_of[h] = b
-                hash_of[b] = h
+                hashed[b] = True
+                self.hash_of[b] = h
 
 
 class Instance:
