@@ -73,7 +73,7 @@ from kvplane.core.lease import BeginRead, EndRead, Heartbeat, Release
 from kvplane.core.lease import Tick as LeaseTick
 from kvplane.core.plan import KVLayout, fan_out
 from kvplane.core.reuse import RetainedHandle
-from kvplane.core.routing import Load, Policy, choose
+from kvplane.core.routing import Load, Policy, choose_ranked
 
 Record = Callable[[Event], None]
 
@@ -1397,8 +1397,9 @@ class Router:
     def dispatch(self, r: SimRequest) -> None:
         sim, cfg = self.sim, self.sim.cfg
         r.dispatched = sim.env.now
-        loads = [Load(p.name, p.busy, len(p.queue)) for p in sim.prefills.values()]
-        r.prefill = choose(cfg.prefill_policy, loads, next(self.rr_p))
+        loads = [(len(p.running) + p.loading + len(p.queue), 0, p.name)
+                 for p in sim.prefills.values()]
+        r.prefill = choose_ranked(cfg.prefill_policy, loads, next(self.rr_p))
         if cfg.mode == "push":  # decode chosen up front; both legs leave at once
             r.decode = self.pick_decode(r)
             sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id, mode="push",
@@ -1411,8 +1412,9 @@ class Router:
 
     def pick_decode(self, r: SimRequest) -> str:
         aff = self.affinity.get((r.tenant, r.conversation or ""))
-        loads = [d.load for d in self.sim.decodes.values()]
-        return choose(self.sim.cfg.decode_policy, loads, next(self.rr_d), aff)
+        loads = [(len(d.running) + len(d.loading) + len(d.joining) + len(d.waiting),
+                  -d.pool.free, d.name) for d in self.sim.decodes.values()]
+        return choose_ranked(self.sim.cfg.decode_policy, loads, next(self.rr_d), aff)
 
     def relay_metadata(self, pf: PrefillInstance, r: SimRequest) -> None:
         self.sim.env.process(self._relay(pf, r))
