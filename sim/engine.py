@@ -1249,13 +1249,11 @@ class DecodeInstance(Instance):
         bs = self.layout.block_size
         held = self.held.get(r.id, 0)
         final = -(-(r.prompt + r.output) // bs)
-        # step i writes token position prompt + done + i - 1
-        out, i = [], max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
-        while i <= steps and held < final:
-            out.append(i)
-            held += 1
-            i += bs
-        return out
+        if held >= final:
+            return []
+        # step i writes token position prompt + done + i - 1: a block boundary every bs steps
+        first = max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
+        return list(range(first, steps + 1, bs)[:final - held])
 
     def make_room(self) -> None:
         """vLLM's step, running requests first, in order: each gets the block its next token
