@@ -1311,11 +1311,13 @@ class DecodeInstance(Instance):
         assert taken is not None, "decode growth found fewer free blocks than it planned"
         for (_, _, r), b in zip(crossings, taken, strict=True):
             got.setdefault(r.id, []).append(b)
+        allocations = []
         for r in self.running:
             new = got.get(r.id)
             if new:
                 self.held[r.id] = self.held.get(r.id, 0) + len(new)
-                self.do(D.Allocate(r.id, r.attempt, tuple(new)))
+                allocations.append(D.Allocate(r.id, r.attempt, tuple(new)))
+        self.do(D.AllocateMany(tuple(allocations)))  # one core call, an event per request
 
     def _advance(self, steps: int, durations: list[float], stall: float, start: float) -> None:
         env = self.sim.env
