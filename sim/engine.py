@@ -31,6 +31,7 @@ import bisect
 import functools
 import hashlib
 import itertools
+import operator
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -554,13 +555,14 @@ class BlockPool:
         m = min(len(hashes), len(blocks))
         if not m:
             return
-        hashes = hashes[:m]
         arr = np.array(blocks[:m], dtype=np.int64)
-        # pairs whose hash is not cached yet and whose block has no hash
-        mask = ~(np.fromiter(map(block_of.__contains__, hashes), dtype=bool, count=m)
-                 | hashed[arr])
-        hs = list(itertools.compress(hashes, mask.tolist()))
-        bs = arr[mask]
+        # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
+        # cached yet: the prefix cache is asked about the first kind only
+        at = np.flatnonzero(~hashed[arr])
+        cand = _pick(hashes, at)
+        at = at[~np.fromiter(map(block_of.__contains__, cand), dtype=bool, count=len(cand))]
+        hs = _pick(hashes, at)
+        bs = arr[at]
         if len(set(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct: all at once
             block_of.update(zip(hs, bs.tolist()))
             hashed[bs] = True
@@ -571,6 +573,15 @@ class BlockPool:
                 block_of[h] = b
                 hashed[b] = True
                 self.hash_of[b] = h
+
+
+def _pick(values: list[int], at: np.ndarray) -> list[int]:
+    """`values` at the positions `at` (ascending), in one C-level pass."""
+    if len(at) == 0:
+        return []
+    if len(at) == 1:
+        return [values[int(at[0])]]
+    return list(operator.itemgetter(*at.tolist())(values))
 
 
 class Instance:
