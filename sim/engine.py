@@ -455,6 +455,8 @@ class BlockPool:
         self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
         self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
+        self.version = 0  # changes whenever `block_of` does
+        self._hits_memo: tuple[list[int], int, int, list[int]] | None = None
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
@@ -473,6 +475,7 @@ class BlockPool:
         self.ref[arr] = 1
         cached = arr[self.hashed[arr]]
         if len(cached):  # taking a cached block from the head evicts its hash
+            self.version += 1
             self.hashed[cached] = False
             deque(map(self.block_of.pop, self.hash_of[cached].tolist()), maxlen=0)
         return tuple(out)
@@ -506,7 +509,18 @@ class BlockPool:
         self.queue.append_n(back)
 
     def hits(self, hashes: list[int], limit: int) -> list[int]:
-        """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks)."""
+        """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks).
+        A function of the prefix cache's map alone: asked again about the same list while
+        the map has not changed (a request waiting at the head of the queue for blocks), the
+        last answer is given again."""
+        memo = self._hits_memo
+        if memo is not None and memo[0] is hashes and memo[1] == limit and memo[2] == self.version:
+            return list(memo[3])
+        out = self._hits(hashes, limit)
+        self._hits_memo = (hashes, limit, self.version, out)
+        return list(out)
+
+    def _hits(self, hashes: list[int], limit: int) -> list[int]:
         get = self.block_of.get
         out: list[int] = []
         i, step, end = 0, 64, min(limit, len(hashes))
@@ -563,6 +577,7 @@ class BlockPool:
         at = at[~np.fromiter(map(block_of.__contains__, cand), dtype=bool, count=len(cand))]
         hs = _pick(hashes, at)
         bs = arr[at]
+        self.version += 1
         if len(set(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct: all at once
             block_of.update(zip(hs, bs.tolist()))
             hashed[bs] = True
