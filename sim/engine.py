@@ -31,9 +31,8 @@ import bisect
 import functools
 import hashlib
 import itertools
-import operator
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -202,6 +201,95 @@ def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     if hashes is None:
         return ()
     return tuple(format(h, "016x") for h in hashes.tolist())
+
+
+class HashIndex:
+    """A prefix cache's map, block hash -> block, as an open-addressing table on numpy arrays.
+
+    Linear probing from a Fibonacci hash of the key; a removed entry leaves a tombstone (so
+    that the probes of other keys still pass it), and the table is rebuilt from its live
+    entries when live and removed entries fill 70 % of it. It is at least twice the pool's
+    blocks, and a block has at most one hash, so it never fills with live keys. A request's
+    lookups, insertions and removals are a few array operations each, not one dict operation
+    per block.
+    """
+
+    _MIX = np.uint64(0x9E3779B97F4A7C15)
+
+    def __init__(self, n: int) -> None:
+        self.bits = max(int(2 * max(n, 1) - 1).bit_length(), 4)
+        size = 1 << self.bits
+        self.keys = np.zeros(size, dtype=np.uint64)
+        self.vals = np.zeros(size, dtype=np.int64)
+        self.state = np.zeros(size, dtype=np.int8)  # 0 empty, 1 live, 2 removed
+        self.live = 0
+        self.removed = 0
+        self.shift = np.uint64(64 - self.bits)
+
+    def __len__(self) -> int:
+        return self.live
+
+    def _slots(self, hs: np.ndarray) -> np.ndarray:
+        return ((hs * self._MIX) >> self.shift).astype(np.int64)
+
+    def _find(self, hs: np.ndarray) -> np.ndarray:
+        """The slot of each key, -1 where it is absent."""
+        out = np.full(len(hs), -1, dtype=np.int64)
+        todo = np.arange(len(hs))
+        idx = self._slots(hs)
+        mask = len(self.keys) - 1
+        while len(todo):
+            st = self.state[idx]
+            hit = (st == 1) & (self.keys[idx] == hs[todo])
+            out[todo[hit]] = idx[hit]
+            go = ~(hit | (st == 0))
+            todo, idx = todo[go], (idx[go] + 1) & mask
+        return out
+
+    def get(self, hs: np.ndarray) -> np.ndarray:
+        """The block of each key, -1 where it is absent."""
+        slots = self._find(hs)
+        return np.where(slots >= 0, self.vals[slots], -1)
+
+    def add(self, hs: np.ndarray, blocks: np.ndarray) -> None:
+        """Insert keys that are absent, each once."""
+        if 2 * (self.live + len(hs)) > len(self.keys):
+            raise ValueError(f"{self.live + len(hs)} keys: more than the table is made for")
+        if (self.live + self.removed + len(hs)) * 10 > 7 * len(self.keys):
+            self._rebuild()
+        todo = np.arange(len(hs))
+        idx = self._slots(hs)
+        mask = len(self.keys) - 1
+        while len(todo):
+            st = self.state[idx]
+            free = np.flatnonzero(st != 1)
+            # the first of the keys aiming at one free slot takes it; the rest probe on
+            _, first = np.unique(idx[free], return_index=True)
+            won = free[first]
+            slot = idx[won]
+            self.removed -= int(np.count_nonzero(st[won] == 2))
+            self.keys[slot] = hs[todo[won]]
+            self.vals[slot] = blocks[todo[won]]
+            self.state[slot] = 1
+            go = np.ones(len(todo), dtype=bool)
+            go[won] = False
+            todo, idx = todo[go], (idx[go] + 1) & mask
+        self.live += len(hs)
+
+    def remove(self, hs: np.ndarray) -> None:
+        """Remove keys that are present."""
+        slots = self._find(hs)
+        self.state[slots] = 2
+        self.live -= len(hs)
+        self.removed += len(hs)
+
+    def _rebuild(self) -> None:
+        live = np.flatnonzero(self.state == 1)
+        hs, blocks = self.keys[live], self.vals[live]
+        self.state[:] = 0
+        self.live = self.removed = 0
+        if len(live):
+            self.add(hs, blocks)
 
 
 class LruRing:
@@ -451,12 +539,12 @@ class BlockPool:
         self.prefix_caching = prefix_caching
         m = 0 if synthetic else n
         self.ref = np.zeros(m, dtype=np.int32)  # block -> requests holding it
-        self.block_of: dict[int, int] = {}  # prefix hash -> cached block
+        self.block_of = HashIndex(m)  # prefix hash -> cached block
         self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
         self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
         self.version = 0  # changes whenever `block_of` does
-        self._hits_memo: tuple[list[int], int, int, list[int]] | None = None
+        self._hits_memo: tuple[Any, int, int, list[int]] | None = None
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
@@ -477,7 +565,7 @@ class BlockPool:
         if len(cached):  # taking a cached block from the head evicts its hash
             self.version += 1
             self.hashed[cached] = False
-            deque(map(self.block_of.pop, self.hash_of[cached].tolist()), maxlen=0)
+            self.block_of.remove(self.hash_of[cached])
         return tuple(out)
 
     def give(self, blocks: tuple[int, ...]) -> None:
@@ -508,7 +596,7 @@ class BlockPool:
             self.queue.append_unhashed(front)
         self.queue.append_n(back)
 
-    def hits(self, hashes: list[int], limit: int) -> list[int]:
+    def hits(self, hashes: Sequence[int] | np.ndarray, limit: int) -> list[int]:
         """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks).
         A function of the prefix cache's map alone: asked again about the same list while
         the map has not changed (a request waiting at the head of the queue for blocks), the
@@ -520,19 +608,18 @@ class BlockPool:
         self._hits_memo = (hashes, limit, self.version, out)
         return list(out)
 
-    def _hits(self, hashes: list[int], limit: int) -> list[int]:
-        get = self.block_of.get
-        out: list[int] = []
-        i, step, end = 0, 64, min(limit, len(hashes))
-        while i < end:  # in growing slices, stopping at the first miss
-            part = list(map(get, hashes[i:min(i + step, end)]))
-            if None in part:
-                out += part[:part.index(None)]
+    def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int) -> list[int]:
+        end = min(limit, len(hashes))
+        got: list[int] = []
+        for lo, hi in ((0, min(16, end)), (16, end)):  # the first few, then the rest
+            if lo >= hi:
                 break
-            out += part
-            i += step
-            step = min(step * 4, 4096)
-        return out  # type: ignore[return-value]  # the Nones are cut off
+            part = self.block_of.get(np.asarray(hashes[lo:hi], dtype=np.uint64))
+            miss = np.flatnonzero(part < 0)
+            got += part[: miss[0] if len(miss) else hi - lo].tolist()
+            if len(miss):
+                break
+        return got
 
     def free_of(self, blocks: list[int]) -> list[int]:
         """Those of `blocks` (cache hits) that no request holds: they wait in the free queue."""
@@ -561,7 +648,7 @@ class BlockPool:
                 lru.remove(np.array([b], dtype=np.int64))
             ref[b] += 1
 
-    def cache(self, hashes: list[int], blocks: tuple[int, ...]) -> None:
+    def cache(self, hashes: Sequence[int] | np.ndarray, blocks: tuple[int, ...]) -> None:
         """Register the full blocks of a computed prompt in the prefix cache."""
         if not self.prefix_caching:
             return
@@ -570,33 +657,24 @@ class BlockPool:
         if not m:
             return
         arr = np.array(blocks[:m], dtype=np.int64)
+        hs_all = np.asarray(hashes[:m], dtype=np.uint64)
         # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
         # cached yet: the prefix cache is asked about the first kind only
         at = np.flatnonzero(~hashed[arr])
-        cand = _pick(hashes, at)
-        at = at[~np.fromiter(map(block_of.__contains__, cand), dtype=bool, count=len(cand))]
-        hs = _pick(hashes, at)
-        bs = arr[at]
+        at = at[block_of.get(hs_all[at]) < 0]
+        hs, bs = hs_all[at], arr[at]
         self.version += 1
-        if len(set(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct: all at once
-            block_of.update(zip(hs, bs.tolist()))
+        if len(np.unique(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct
+            block_of.add(hs, bs)
             hashed[bs] = True
             self.hash_of[bs] = hs
             return
-        for h, b in zip(hs, bs.tolist()):
-            if h not in block_of and not hashed[b]:
-                block_of[h] = b
+        for h, b in zip(hs.tolist(), bs.tolist()):
+            one = np.array([h], dtype=np.uint64)
+            if block_of.get(one)[0] < 0 and not hashed[b]:
+                block_of.add(one, np.array([b], dtype=np.int64))
                 hashed[b] = True
                 self.hash_of[b] = h
-
-
-def _pick(values: list[int], at: np.ndarray) -> list[int]:
-    """`values` at the positions `at` (ascending), in one C-level pass."""
-    if len(at) == 0:
-        return []
-    if len(at) == 1:
-        return [values[int(at[0])]]
-    return list(operator.itemgetter(*at.tolist())(values))
 
 
 class Instance:
@@ -669,7 +747,6 @@ class PrefillInstance(Instance):
         self.loading = 0  # admitted, waiting for a reuse read
         self.progress: dict[str, int] = {}  # request id -> prompt tokens in the cache so far
         self.blocks: dict[str, tuple[int, ...]] = {}  # request id -> its prompt's blocks
-        self.hash_lists: dict[str, list[int]] = {}  # request id -> its block hashes, as ints
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
         sim.env.process(self.loop())
 
@@ -705,22 +782,12 @@ class PrefillInstance(Instance):
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return []
         limit = max(r.prompt - 1, 0) // self.layout.block_size
-        return self.pool.hits(self._hash_list(r), limit)
-
-    def _hash_list(self, r: SimRequest) -> list[int]:
-        """The prompt's block hashes as Python ints, made once per request while it is here
-        (a request waiting for blocks asks at every wake)."""
-        got = self.hash_lists.get(r.id)
-        if got is None:
-            assert r.hashes is not None
-            got = self.hash_lists[r.id] = r.hashes.tolist()
-        return got
+        return self.pool.hits(r.hashes, limit)
 
     def remember(self, r: SimRequest) -> None:
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return
-        self.pool.cache(self._hash_list(r), self.blocks.get(r.id, ()))
-        self.hash_lists.pop(r.id, None)
+        self.pool.cache(r.hashes, self.blocks.get(r.id, ()))
 
     def admit(self) -> None:
         """Waiting requests, in order, while a sequence slot and their blocks are free."""
