@@ -3,7 +3,7 @@ through `kvplane.core`.
 
 Rules kept here:
 - Every protocol decision is made by a core machine (`PrefillCore`, `DecodeCore`,
-  `SessionTable`, `decide_reuse`, `routing.choose`), called with `now = env.now`; the simulator
+  `SessionTable`, `decide_reuse`, `routing.choose_ranked`), called with `now = env.now`; the simulator
   only moves time, hands out block ids and carries messages. The per-request rules the live
   connector and router follow are the simulator's too (`core.connector_rules`: what decode
   loads, which blocks a reuse read fills, retain and its TTL, the attempt a recompute is;
