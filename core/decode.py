@@ -123,6 +123,15 @@ class Allocate:
 
 
 @dataclass(frozen=True, slots=True)
+class AllocateMany:
+    """Several requests' new blocks at one instant (a decode macro-step's output growth), one
+    `Allocate` per request: the same events, in the same order, as the `Allocate`s one by one;
+    a request appears once."""
+
+    allocations: tuple[Allocate, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     request: str
     attempt: int
@@ -150,7 +159,8 @@ class Tick:
 
 
 DecodeCommand = (
-    ExpectKV | Notify | PullDone | KVFailed | Allocate | Abort | Finish | Tick | LeaseCommand
+    ExpectKV | Notify | PullDone | KVFailed | Allocate | AllocateMany | Abort | Finish | Tick
+    | LeaseCommand
 )
 
 
@@ -217,6 +227,8 @@ class DecodeCore(Machine[DecodeCommand]):
             return self._tick(now)
         if isinstance(cmd, LEASE_COMMANDS):
             return self.leases.decide(cmd, now)
+        if isinstance(cmd, AllocateMany):
+            return self._allocate_many(cmd, now)
         return self._dispatch(TABLE, self.phase(cmd.request, cmd.attempt), cmd, now)
 
     def _tick(self, now: float) -> list[Event]:
@@ -396,6 +408,20 @@ class DecodeCore(Machine[DecodeCommand]):
             )
         ]
 
+    def _allocate_many(self, cmd: AllocateMany, now: float) -> list[Event]:
+        # one request's events never change another's phase, so deciding them all against
+        # the state before any is applied equals deciding them one by one
+        keys = [(a.request, a.attempt) for a in cmd.allocations]
+        if len({k[0] for k in keys}) != len(keys):
+            raise ProtocolError(self.name, "", "AllocateMany", "a request appears twice")
+        out: list[Event] = []
+        for a in cmd.allocations:
+            phase = self.phase(a.request, a.attempt)
+            if phase not in _ALLOCATABLE:
+                raise ProtocolError(self.name, phase, "Allocate")
+            out += self._allocate(a, now)
+        return out
+
     def _abort(self, cmd: Abort, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
         phase = self.phase(*key)
@@ -491,13 +517,14 @@ class DecodeCore(Machine[DecodeCommand]):
 
 
 _A, _W, _D, _X, _E = "absent", "awaiting_kv", "decoding", "aborting", "ended"
+_ALLOCATABLE = (_A, _W, _D)
 TABLE: dict[tuple[str, type], Callable[..., list[Event]]] = {
     (_A, ExpectKV): DecodeCore._expect,
     **{(p, Notify): DecodeCore._notify for p in (_A, _W, _D, _X, _E)},
     **{(p, PullDone): DecodeCore._pull_done for p in (_W, _X)},
     **{(p, KVFailed): DecodeCore._kv_failed for p in (_W, _X)},
     **{(p, KVFailed): DecodeCore._stale_failure for p in (_A, _D, _E)},
-    **{(p, Allocate): DecodeCore._allocate for p in (_A, _W, _D)},
+    **{(p, Allocate): DecodeCore._allocate for p in _ALLOCATABLE},
     **{(p, Abort): DecodeCore._abort for p in (_A, _W, _D, _X, _E)},
     (_D, Finish): DecodeCore._finish,
 }

@@ -332,6 +332,8 @@ class LeaseTable:
     def apply(self, e: Event) -> bool:
         """Fold a lease event; returns False when the event is not a lease event."""
         self.clock = max(self.clock, e.at)
+        if type(e) not in _LEASE_EVENTS:  # most events a machine folds: one set lookup
+            return False
         if isinstance(e, LeaseGranted):
             assert e.request is not None
             self.leases[e.lease] = Lease(
@@ -377,3 +379,10 @@ class LeaseTable:
 
     def next_expiry(self) -> float | None:
         return min((ls.expires_at for ls in self.leases.values()), default=None)
+
+
+# every event type `LeaseTable.apply` folds (each subclasses `Event` directly)
+_LEASE_EVENTS: frozenset[type] = frozenset({
+    LeaseGranted, LeaseRenewed, LeasePinned, LeaseUnpinned, LeaseReleaseDeferred, LeaseExpired,
+    LeaseReleased, ReadRefused, LeaseRenewalRefused,
+})

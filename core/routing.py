@@ -38,16 +38,29 @@ class Policy:
 
 def choose(policy: Policy, loads: Sequence[Load], counter: int, affinity: str | None = None) -> str:
     """Pick an instance. `counter` is the caller's running count of choices (round robin)."""
-    if not loads:
+    return choose_ranked(policy, [(ld.running + ld.queued, -ld.free_blocks, ld.instance)
+                                  for ld in loads], counter, affinity)
+
+
+Ranked = tuple[int, int, str]
+"""An instance's load as `choose` ranks it: (pressure, -free blocks, name)."""
+
+
+def choose_ranked(policy: Policy, ranked: Sequence[Ranked], counter: int,
+                  affinity: str | None = None) -> str:
+    """`choose` over `Ranked` triples, for a driver that snapshots many instances per request
+    (no `Load` object each): the least loaded is the least triple (fewest running and queued,
+    then most free blocks, then name)."""
+    if not ranked:
         raise ValueError("no instance to choose from")
     if policy.kind == "round_robin":
-        return sorted(ld.instance for ld in loads)[counter % len(loads)]
-    least = min(loads, key=lambda ld: (ld.pressure, -ld.free_blocks, ld.instance))
+        return sorted(t[2] for t in ranked)[counter % len(ranked)]
+    least = min(ranked)
     if policy.kind == "least_loaded":
-        return least.instance
+        return least[2]
     if policy.kind == "kv_affinity":
-        for ld in loads:
-            if ld.instance == affinity and ld.pressure <= least.pressure + policy.affinity_slack:
-                return ld.instance
-        return least.instance
+        for pressure, _, name in ranked:
+            if name == affinity and pressure <= least[0] + policy.affinity_slack:
+                return name
+        return least[2]
     raise ValueError(f"unknown routing policy kind {policy.kind!r}")

@@ -3,7 +3,7 @@ through `kvplane.core`.
 
 Rules kept here:
 - Every protocol decision is made by a core machine (`PrefillCore`, `DecodeCore`,
-  `SessionTable`, `decide_reuse`, `routing.choose`), called with `now = env.now`; the simulator
+  `SessionTable`, `decide_reuse`, `routing.choose_ranked`), called with `now = env.now`; the simulator
   only moves time, hands out block ids and carries messages. The per-request rules the live
   connector and router follow are the simulator's too (`core.connector_rules`: what decode
   loads, which blocks a reuse read fills, retain and its TTL, the attempt a recompute is;
@@ -32,9 +32,8 @@ import functools
 import hashlib
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import is_not, ne, not_, or_, sub
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -74,7 +73,7 @@ from kvplane.core.lease import BeginRead, EndRead, Heartbeat, Release
 from kvplane.core.lease import Tick as LeaseTick
 from kvplane.core.plan import KVLayout, fan_out
 from kvplane.core.reuse import RetainedHandle
-from kvplane.core.routing import Load, Policy, choose
+from kvplane.core.routing import Load, Policy, choose_ranked
 
 Record = Callable[[Event], None]
 
@@ -204,30 +203,190 @@ def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     return tuple(format(h, "016x") for h in hashes.tolist())
 
 
+class HashIndex:
+    """A prefix cache's map, block hash -> block, as an open-addressing table on numpy arrays.
+
+    Linear probing from a Fibonacci hash of the key; a removed entry leaves a tombstone (so
+    that the probes of other keys still pass it), and the table is rebuilt from its live
+    entries when live and removed entries fill half of it. It has at least four slots per
+    block of the pool (a block has at most one hash), so probe runs stay short: a batch of
+    lookups takes as many rounds as its longest run. A request's lookups, insertions and
+    removals are a few array operations each, not one dict operation per block; 12 bytes a
+    slot, less than the dict of int objects it replaces.
+    """
+
+    _MIX = np.uint64(0x9E3779B97F4A7C15)
+    _EMPTY, _GONE = -1, -2  # `vals` of a free slot and of a removed entry
+
+    def __init__(self, n: int) -> None:
+        self.bits = max(int(4 * max(n, 1) - 1).bit_length(), 4)
+        size = 1 << self.bits
+        self.keys = np.zeros(size, dtype=np.uint64)
+        self.vals = np.full(size, self._EMPTY, dtype=np.int32)
+        self.live = 0
+        self.removed = 0
+        self.shift = np.uint64(64 - self.bits)
+
+    def __len__(self) -> int:
+        return self.live
+
+    def _slots(self, hs: np.ndarray) -> np.ndarray:
+        return ((hs * self._MIX) >> self.shift).astype(np.int64)
+
+    def _find(self, hs: np.ndarray) -> np.ndarray:
+        """The slot of each key, -1 where it is absent."""
+        out = np.full(len(hs), -1, dtype=np.int64)
+        todo = np.arange(len(hs))
+        idx = self._slots(hs)
+        keys, vals, mask = self.keys, self.vals, len(self.keys) - 1
+        want = hs
+        while len(todo):
+            v = vals[idx]
+            hit = (keys[idx] == want) & (v >= 0)
+            out[todo[hit]] = idx[hit]
+            go = ~hit & (v != self._EMPTY)
+            todo, idx, want = todo[go], (idx[go] + 1) & mask, want[go]
+        return out
+
+    def get(self, hs: np.ndarray) -> np.ndarray:
+        """The block of each key, -1 where it is absent."""
+        slots = self._find(hs)
+        return np.where(slots >= 0, self.vals[slots], -1)
+
+    def add(self, hs: np.ndarray, blocks: np.ndarray) -> None:
+        """Insert keys that are absent, each once."""
+        size = len(self.keys)
+        if 4 * (self.live + len(hs)) > size:
+            raise ValueError(f"{self.live + len(hs)} keys: more than the table is made for")
+        if 2 * (self.live + self.removed + len(hs)) > size:
+            self._rebuild()
+        todo = np.arange(len(hs))
+        idx = self._slots(hs)
+        mask = size - 1
+        while len(todo):
+            v = self.vals[idx]
+            free = np.flatnonzero(v < 0)
+            # the first of the keys aiming at one free slot takes it; the rest probe on
+            _, first = np.unique(idx[free], return_index=True)
+            won = free[first]
+            slot = idx[won]
+            self.removed -= int(np.count_nonzero(v[won] == self._GONE))
+            self.keys[slot] = hs[todo[won]]
+            self.vals[slot] = blocks[todo[won]]
+            go = np.ones(len(todo), dtype=bool)
+            go[won] = False
+            todo, idx = todo[go], (idx[go] + 1) & mask
+        self.live += len(hs)
+
+    def remove(self, hs: np.ndarray) -> None:
+        """Remove keys that are present."""
+        slots = self._find(hs)
+        self.vals[slots] = self._GONE
+        self.live -= len(hs)
+        self.removed += len(hs)
+
+    def _rebuild(self) -> None:
+        live = np.flatnonzero(self.vals >= 0)
+        hs, blocks = self.keys[live], self.vals[live]
+        self.vals[:] = self._EMPTY
+        self.live = self.removed = 0
+        if len(live):
+            self.add(hs, blocks)
+
+
+class LruRing:
+    """The hashed free blocks in LRU order (least recently freed first), on numpy arrays.
+
+    `order` lists blocks by the position they were appended at; `pos[b]` is block b's position
+    while it waits here, -1 otherwise. Taking a block out of the middle (a cache hit) only
+    clears its `pos`, leaving a stale entry that a pop from the front skips; when the array is
+    full the live entries are moved to its start (each append is paid for once). A take, an
+    append or a membership test of a request's blocks is a few array operations, and nothing
+    grows with the holes (an `OrderedDict` did the same, one Python-level node a block).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.pos = np.full(n, -1, dtype=np.int64)
+        self.order = np.empty(2 * n + 64, dtype=np.int64)
+        self.head = 0  # the first position that may be live
+        self.tail = 0  # the next position to append at
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def mask(self, blocks: np.ndarray) -> np.ndarray:
+        """Which of `blocks` wait here."""
+        return self.pos[blocks] >= 0
+
+    def append(self, blocks: np.ndarray) -> None:
+        """At the back, in order (blocks that are not here yet, each once)."""
+        m = len(blocks)
+        if not m:
+            return
+        if self.tail + m > len(self.order):
+            self._compact(m)
+        self.order[self.tail:self.tail + m] = blocks
+        self.pos[blocks] = np.arange(self.tail, self.tail + m)
+        self.tail += m
+        self.count += m
+
+    def remove(self, blocks: np.ndarray) -> None:
+        """Out of the middle (blocks that are here)."""
+        self.pos[blocks] = -1
+        self.count -= len(blocks)
+
+    def popleft(self, n: int) -> np.ndarray:
+        """The `n` least recently freed blocks (n <= count), out of the queue."""
+        parts: list[np.ndarray] = []
+        need = n
+        while need > 0:
+            w = min(self.tail - self.head, max(2 * need, 64))
+            window = self.order[self.head:self.head + w]
+            live = np.flatnonzero(self.pos[window] == np.arange(self.head, self.head + w))
+            if len(live) >= need:
+                parts.append(window[live[:need]])
+                self.head += int(live[need - 1]) + 1
+                break
+            parts.append(window[live])
+            need -= len(live)
+            self.head += w
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.pos[out] = -1
+        self.count -= n
+        return out
+
+    def _compact(self, m: int) -> None:
+        window = self.order[self.head:self.tail]
+        live = window[self.pos[window] == np.arange(self.head, self.tail)]
+        if len(live) + m > len(self.order):
+            self.order = np.empty(2 * (len(live) + m), dtype=np.int64)
+        self.order[:len(live)] = live
+        self.pos[live] = np.arange(len(live))
+        self.head, self.tail = 0, len(live)
+
+
 class FreeBlockQueue:
     """vLLM v1's queue of free blocks, kept as runs.
 
     vLLM puts a freed block without a prefix-cache hash at the front and one with a hash at the
     back, and only hashed blocks are ever taken out of the middle (a cache hit). So the queue is
     a deque of runs `(start, length, step)` (step +1 or -1) followed by the hashed blocks in
-    LRU order; allocation pops runs first, then the least recently freed hashed blocks.
+    LRU order (`LruRing`); allocation pops runs first, then the least recently freed hashed
+    blocks.
     """
 
     def __init__(self, n: int) -> None:
         self.runs: deque[tuple[int, int, int]] = deque([(0, n, 1)] if n else [])
         self.in_runs = n
-        # hashed free blocks, least recently freed first. An OrderedDict, not a dict: blocks
-        # leave from the front, and a plain dict keeps the holes they leave until it resizes,
-        # so that finding its first key walks over them (in a full prefix cache, a few hundred
-        # thousand: 5x slower per request, and slower the longer the run)
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.lru = LruRing(n)
 
     def __len__(self) -> int:
         return self.in_runs + len(self.lru)
 
     def __contains__(self, block: int) -> bool:
         """Whether a hashed block is free (only hashed blocks are asked about)."""
-        return block in self.lru
+        return bool(self.lru.pos[block] >= 0)
 
     def popleft_n(self, n: int) -> list[int]:
         out: list[int] = []
@@ -239,20 +398,22 @@ class FreeBlockQueue:
                 self.runs.appendleft((start + step * k, length - k, step))
             self.in_runs -= k
         if len(out) < n:
-            taken = list(itertools.islice(self.lru, n - len(out)))
-            deque(map(self.lru.__delitem__, taken), maxlen=0)
-            out.extend(taken)
+            out.extend(self.lru.popleft(n - len(out)).tolist())
         return out
 
     @staticmethod
-    def _as_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
-        steps = list(map(sub, blocks[1:], blocks))
+    def _as_runs(blocks: list[int] | np.ndarray) -> list[tuple[int, int, int]]:
+        if len(blocks) == 0:
+            return []
+        arr = np.asarray(blocks, dtype=np.int64)
+        steps = np.diff(arr)
         for step in (1, -1):
-            if -step not in steps:  # one direction only: runs end where a step is not `step`
-                ends = [*itertools.compress(range(1, len(blocks)),
-                                            map(ne, steps, itertools.repeat(step))), len(blocks)]
-                return [(blocks[a], b - a, step if b - a > 1 else 1)
-                        for a, b in zip([0, *ends[:-1]], ends)] if blocks else []
+            if not (steps == -step).any():  # one direction only: runs end where a step is not
+                ends = [*(np.flatnonzero(steps != step) + 1).tolist(), len(arr)]
+                starts = arr[[0, *ends[:-1]]].tolist()
+                return [(s, b - a, step if b - a > 1 else 1)
+                        for s, a, b in zip(starts, [0, *ends[:-1]], ends)]
+        blocks = arr.tolist()
         runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(blocks):
@@ -264,20 +425,20 @@ class FreeBlockQueue:
             i = j
         return runs
 
-    def prepend_n(self, blocks: list[int]) -> None:
+    def prepend_n(self, blocks: list[int] | np.ndarray) -> None:
         self.runs.extendleft(reversed(self._as_runs(blocks)))
         self.in_runs += len(blocks)
 
-    def append_n(self, blocks: list[int]) -> None:
+    def append_n(self, blocks: list[int] | np.ndarray) -> None:
         """Hashed blocks go to the LRU tail; others (the synthetic history's skips) end the runs."""
-        self.lru.update(dict.fromkeys(blocks))
+        self.lru.append(np.asarray(blocks, dtype=np.int64))
 
-    def append_unhashed(self, blocks: list[int]) -> None:
+    def append_unhashed(self, blocks: list[int] | np.ndarray) -> None:
         self.runs.extend(self._as_runs(blocks))
         self.in_runs += len(blocks)
 
     def remove(self, block: int) -> None:
-        del self.lru[block]
+        self.lru.remove(np.array([block], dtype=np.int64))
 
 
 class SyntheticQueue:
@@ -378,10 +539,14 @@ class BlockPool:
         self.run_blocks = run_blocks
         self.rng = np.random.default_rng(seed)
         self.prefix_caching = prefix_caching
-        self.ref: dict[int, int] = {}
-        self.block_of: dict[int, int] = {}  # prefix hash -> cached block
-        self.hash_of: dict[int, int] = {}  # cached block -> its hash
+        m = 0 if synthetic else n
+        self.ref = np.zeros(m, dtype=np.int32)  # block -> requests holding it
+        self.block_of = HashIndex(m)  # prefix hash -> cached block
+        self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
+        self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
+        self.version = 0  # changes whenever `block_of` does
+        self._hits_memo: tuple[Any, int, int, list[int]] | None = None
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
@@ -396,12 +561,13 @@ class BlockPool:
         if self.ring is not None:
             return self.ring.take(n, self.rng.geometric(1.0 / self.run_blocks, size=n))
         out = self.queue.popleft_n(n)
-        ref, hash_of = self.ref, self.hash_of
-        ref.update(dict.fromkeys(out, 1))
-        if hash_of:  # taking a cached block from the head evicts its hash
-            gone = list(map(hash_of.pop, out, itertools.repeat(None)))
-            deque(map(self.block_of.pop, itertools.compress(
-                gone, map(is_not, gone, itertools.repeat(None)))), maxlen=0)
+        arr = np.array(out, dtype=np.int64)
+        self.ref[arr] = 1
+        cached = arr[self.hashed[arr]]
+        if len(cached):  # taking a cached block from the head evicts its hash
+            self.version += 1
+            self.hashed[cached] = False
+            self.block_of.remove(self.hash_of[cached])
         return tuple(out)
 
     def give(self, blocks: tuple[int, ...]) -> None:
@@ -409,76 +575,108 @@ class BlockPool:
         if self.ring is not None:  # synthetic history: back of the queue, in order
             self.ring.append(blocks)
             return
-        ref, hash_of = self.ref, self.hash_of
-        rev = blocks[::-1]
-        if list(map(ref.get, rev, itertools.repeat(1))).count(1) == len(rev):
-            # the usual case: every block's last holder frees it (C-level passes)
-            deque(map(ref.pop, rev, itertools.repeat(None)), maxlen=0)
-            front = list(itertools.filterfalse(hash_of.__contains__, rev))
-            back = list(filter(hash_of.__contains__, rev)) if hash_of else []
+        ref, hashed = self.ref, self.hashed
+        rev = np.array(blocks[::-1], dtype=np.int64)
+        if (ref[rev] <= 1).all():
+            # the usual case: every block's last holder frees it
+            ref[rev] = 0
+            mask = hashed[rev]
+            front, back = rev[~mask], rev[mask]
         else:
-            front, back = [], []
-            for b in rev:
-                left = ref.get(b, 1) - 1
+            fl, bl = [], []
+            for b in rev.tolist():
+                left = int(ref[b]) - 1
                 if left > 0:
                     ref[b] = left
                     continue
-                ref.pop(b, None)
-                (back if b in hash_of else front).append(b)
+                ref[b] = 0
+                (bl if hashed[b] else fl).append(b)
+            front, back = np.array(fl, dtype=np.int64), np.array(bl, dtype=np.int64)
         if self.reuse == "lifo":
             self.queue.prepend_n(front)
         else:  # earlier vLLM V1 releases: every freed block to the back
             self.queue.append_unhashed(front)
         self.queue.append_n(back)
 
-    def hits(self, hashes: list[int], limit: int) -> list[int]:
-        """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks)."""
-        out = list(map(self.block_of.get, hashes[:limit]))
-        if None in out:
-            del out[out.index(None):]
-        return out  # type: ignore[return-value]  # the Nones are cut off
+    def hits(self, hashes: Sequence[int] | np.ndarray, limit: int) -> list[int]:
+        """Cached blocks of the longest cached prefix of `hashes` (at most `limit` blocks).
+        A function of the prefix cache's map alone: asked again about the same list while
+        the map has not changed (a request waiting at the head of the queue for blocks), the
+        last answer is given again."""
+        memo = self._hits_memo
+        if memo is not None and memo[0] is hashes and memo[1] == limit and memo[2] == self.version:
+            return list(memo[3])
+        out = self._hits(hashes, limit)
+        self._hits_memo = (hashes, limit, self.version, out)
+        return list(out)
+
+    def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int) -> list[int]:
+        end = min(limit, len(hashes))
+        got: list[int] = []
+        for lo, hi in ((0, min(16, end)), (16, end)):  # the first few, then the rest
+            if lo >= hi:
+                break
+            part = self.block_of.get(np.asarray(hashes[lo:hi], dtype=np.uint64))
+            miss = np.flatnonzero(part < 0)
+            got += part[: miss[0] if len(miss) else hi - lo].tolist()
+            if len(miss):
+                break
+        return got
 
     def free_of(self, blocks: list[int]) -> list[int]:
         """Those of `blocks` (cache hits) that no request holds: they wait in the free queue."""
-        return list(filter(self.queue.lru.__contains__, blocks))
+        if not blocks:
+            return []
+        arr = np.array(blocks, dtype=np.int64)
+        return arr[self.queue.lru.mask(arr)].tolist()  # type: ignore[no-any-return]
 
     def free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left once `blocks` (cache hits) are taken out of the queue."""
         return self.free - len(self.free_of(blocks))
 
     def touch(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
         lru, ref = self.queue.lru, self.ref
-        free = self.free_of(blocks)
-        if len(free) == len(blocks) and len(set(blocks)) == len(blocks):
+        arr = np.array(blocks, dtype=np.int64)
+        free = lru.mask(arr)
+        if free.all() and len(np.unique(arr)) == len(arr):
             # the usual case, distinct free blocks (no holder): out of the queue, one holder
-            deque(map(lru.pop, blocks), maxlen=0)
-            ref.update(dict.fromkeys(blocks, 1))
+            lru.remove(arr)
+            ref[arr] = 1
             return
         for b in blocks:
-            if b in lru:
-                del lru[b]
-            ref[b] = ref.get(b, 0) + 1
+            if lru.pos[b] >= 0:
+                lru.remove(np.array([b], dtype=np.int64))
+            ref[b] += 1
 
-    def cache(self, hashes: list[int], blocks: tuple[int, ...]) -> None:
+    def cache(self, hashes: Sequence[int] | np.ndarray, blocks: tuple[int, ...]) -> None:
         """Register the full blocks of a computed prompt in the prefix cache."""
         if not self.prefix_caching:
             return
-        block_of, hash_of = self.block_of, self.hash_of
+        block_of, hashed = self.block_of, self.hashed
         m = min(len(hashes), len(blocks))
-        hashes, blocks = hashes[:m], blocks[:m]
-        # pairs whose hash is not cached yet and whose block has no hash: C-level passes
-        known = map(or_, map(block_of.__contains__, hashes), map(hash_of.__contains__, blocks))
-        mask = list(map(not_, known))
-        hs = list(itertools.compress(hashes, mask))
-        bs = list(itertools.compress(blocks, mask))
-        if len(set(hs)) == len(hs) and len(set(bs)) == len(bs):  # distinct: all go in at once
-            block_of.update(zip(hs, bs))
-            hash_of.update(zip(bs, hs))
+        if not m:
             return
-        for h, b in zip(hs, bs):
-            if h not in block_of and b not in hash_of:
-                block_of[h] = b
-                hash_of[b] = h
+        arr = np.array(blocks[:m], dtype=np.int64)
+        hs_all = np.asarray(hashes[:m], dtype=np.uint64)
+        # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
+        # cached yet: the prefix cache is asked about the first kind only
+        at = np.flatnonzero(~hashed[arr])
+        at = at[block_of.get(hs_all[at]) < 0]
+        hs, bs = hs_all[at], arr[at]
+        self.version += 1
+        if len(np.unique(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct
+            block_of.add(hs, bs)
+            hashed[bs] = True
+            self.hash_of[bs] = hs
+            return
+        for h, b in zip(hs.tolist(), bs.tolist()):
+            one = np.array([h], dtype=np.uint64)
+            if block_of.get(one)[0] < 0 and not hashed[b]:
+                block_of.add(one, np.array([b], dtype=np.int64))
+                hashed[b] = True
+                self.hash_of[b] = h
 
 
 class Instance:
@@ -553,7 +751,6 @@ class PrefillInstance(Instance):
         self.loading = 0  # admitted, waiting for a reuse read
         self.progress: dict[str, int] = {}  # request id -> prompt tokens in the cache so far
         self.blocks: dict[str, tuple[int, ...]] = {}  # request id -> its prompt's blocks
-        self.hash_lists: dict[str, list[int]] = {}  # request id -> its block hashes, as ints
         self.resuming: set[str] = set()  # waiting requests that were preempted
         self.preemptions = 0  # vllm:num_preemptions_total of this instance
         self.transfer_thread = simpy.Resource(sim.env, capacity=1)
@@ -591,22 +788,12 @@ class PrefillInstance(Instance):
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return []
         limit = max(r.prompt - 1, 0) // self.layout.block_size
-        return self.pool.hits(self._hash_list(r), limit)
-
-    def _hash_list(self, r: SimRequest) -> list[int]:
-        """The prompt's block hashes as Python ints, made once per request while it is here
-        (a request waiting for blocks asks at every wake)."""
-        got = self.hash_lists.get(r.id)
-        if got is None:
-            assert r.hashes is not None
-            got = self.hash_lists[r.id] = r.hashes.tolist()
-        return got
+        return self.pool.hits(r.hashes, limit)
 
     def remember(self, r: SimRequest) -> None:
         if not self.sim.cfg.prefill_prefix_caching or r.hashes is None:
             return
-        self.pool.cache(self._hash_list(r), self.blocks.get(r.id, ()))
-        self.hash_lists.pop(r.id, None)
+        self.pool.cache(r.hashes, self.blocks.get(r.id, ()))
 
     def schedule(self) -> tuple[list[tuple[SimRequest, int, int]], bool]:
         """One step of vLLM's V1 scheduler (vllm/v1/core/sched/scheduler.py, `schedule`):
@@ -1265,13 +1452,11 @@ class DecodeInstance(Instance):
         bs = self.layout.block_size
         held = self.held.get(r.id, 0)
         final = -(-(r.prompt + r.output) // bs)
-        # step i writes token position prompt + done + i - 1
-        out, i = [], max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
-        while i <= steps and held < final:
-            out.append(i)
-            held += 1
-            i += bs
-        return out
+        if held >= final:
+            return []
+        # step i writes token position prompt + done + i - 1: a block boundary every bs steps
+        first = max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
+        return list(range(first, steps + 1, bs)[:final - held])
 
     def make_room(self) -> None:
         """vLLM's step, running requests first, in order: each gets the block its next token
@@ -1329,11 +1514,13 @@ class DecodeInstance(Instance):
         assert taken is not None, "decode growth found fewer free blocks than it planned"
         for (_, _, r), b in zip(crossings, taken, strict=True):
             got.setdefault(r.id, []).append(b)
+        allocations = []
         for r in self.running:
             new = got.get(r.id)
             if new:
                 self.held[r.id] = self.held.get(r.id, 0) + len(new)
-                self.do(D.Allocate(r.id, r.attempt, tuple(new)))
+                allocations.append(D.Allocate(r.id, r.attempt, tuple(new)))
+        self.do(D.AllocateMany(tuple(allocations)))  # one core call, an event per request
 
     def _advance(self, steps: int, durations: list[float], stall: float, start: float) -> None:
         env = self.sim.env
@@ -1413,8 +1600,9 @@ class Router:
     def dispatch(self, r: SimRequest) -> None:
         sim, cfg = self.sim, self.sim.cfg
         r.dispatched = sim.env.now
-        loads = [Load(p.name, p.busy, len(p.queue)) for p in sim.prefills.values()]
-        r.prefill = choose(cfg.prefill_policy, loads, next(self.rr_p))
+        loads = [(len(p.running) + p.loading + len(p.queue), 0, p.name)
+                 for p in sim.prefills.values()]
+        r.prefill = choose_ranked(cfg.prefill_policy, loads, next(self.rr_p))
         if cfg.mode == "push":  # decode chosen up front; both legs leave at once
             r.decode = self.pick_decode(r)
             sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id, mode="push",
@@ -1427,8 +1615,9 @@ class Router:
 
     def pick_decode(self, r: SimRequest) -> str:
         aff = self.affinity.get((r.tenant, r.conversation or ""))
-        loads = [d.load for d in self.sim.decodes.values()]
-        return choose(self.sim.cfg.decode_policy, loads, next(self.rr_d), aff)
+        loads = [(len(d.running) + len(d.loading) + len(d.joining) + len(d.waiting),
+                  -d.pool.free, d.name) for d in self.sim.decodes.values()]
+        return choose_ranked(self.sim.cfg.decode_policy, loads, next(self.rr_d), aff)
 
     def relay_metadata(self, pf: PrefillInstance, r: SimRequest) -> None:
         self.sim.env.process(self._relay(pf, r))

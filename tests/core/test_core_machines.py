@@ -26,6 +26,26 @@ def test_decide_is_pure_and_apply_folds() -> None:
     assert pair.prefill.phase("r1", 0) == "transferring"
 
 
+def test_a_batch_of_allocations_makes_the_events_one_by_one_would() -> None:
+    """A decode macro-step's growth as one `AllocateMany`: the same events and state as the
+    `Allocate`s handled in turn; a request twice, or one that ended, is refused."""
+    allocs = [dc.Allocate("a", 0, (1, 2)), dc.Allocate("b", 1, (7,)), dc.Allocate("a2", 0, (3,))]
+    one, many = dc.DecodeCore("D", layout()), dc.DecodeCore("D", layout())
+    for d in (one, many):
+        d.handle(dc.Allocate("b", 1, (5, 6)), 0.5)
+    seq = [e for a in allocs for e in one.handle(a, 1.0)]
+    assert many.handle(dc.AllocateMany(tuple(allocs)), 1.0) == seq
+    assert state_of(many) == state_of(one)
+    assert many.ledger.blocks_of("b") == (5, 6, 7)
+    with pytest.raises(ProtocolError, match="appears twice"):
+        many.decide(dc.AllocateMany((dc.Allocate("c", 0, (9,)), dc.Allocate("c", 0, (8,)))), 2.0)
+    many.handle(dc.Finish("a2", 0), 2.0)
+    with pytest.raises(ProtocolError, match="'Allocate' is not allowed in state 'ended'"):
+        many.decide(dc.AllocateMany((dc.Allocate("a2", 0, (9,)),)), 3.0)
+    with pytest.raises(ProtocolError, match="appear more than once"):
+        many.decide(dc.AllocateMany((dc.Allocate("d", 0, (4, 4)),)), 3.0)
+
+
 def test_missing_transition_names_state_and_input() -> None:
     d = dc.DecodeCore("D", layout())
     with pytest.raises(ProtocolError) as info:

@@ -15,7 +15,7 @@ from kvplane.core.events import (
     SessionTaken,
 )
 from kvplane.core.reuse import RetainedHandle
-from kvplane.core.routing import Load, Policy, choose
+from kvplane.core.routing import Load, Policy, choose, choose_ranked
 from kvplane.core.sessions import Drop, Expire, Renew, SessionTable, Store, Take
 
 
@@ -169,6 +169,32 @@ def test_kv_affinity_with_slack() -> None:
     assert choose(Policy("kv_affinity", affinity_slack=0), LOADS, 0, affinity="d1") == "d1"
     assert choose(p, LOADS, 0, affinity="gone") == "d3"
     assert choose(p, LOADS, 0, affinity=None) == "d3"
+
+
+def test_ranked_triples_choose_as_loads_do() -> None:
+    """The simulator's form (pressure, -free blocks, name) picks what `choose` picks."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        loads = [Load(f"i{k}", rng.randint(0, 3), rng.randint(0, 2), rng.randint(0, 4))
+                 for k in range(rng.randint(1, 6))]
+        ranked = [(ld.pressure, -ld.free_blocks, ld.instance) for ld in loads]
+        for policy in (Policy("least_loaded"), Policy("kv_affinity", affinity_slack=1),
+                       Policy("round_robin")):
+            aff = rng.choice([None, *(ld.instance for ld in loads)])
+            want = min(loads, key=lambda ld: (ld.pressure, -ld.free_blocks, ld.instance))
+            if policy.kind == "round_robin":
+                assert choose_ranked(policy, ranked, 5) == sorted(ld.instance
+                                                                  for ld in loads)[5 % len(loads)]
+            elif policy.kind == "least_loaded" or aff is None:
+                assert choose_ranked(policy, ranked, 0, aff) == want.instance
+            else:
+                mine = next(ld for ld in loads if ld.instance == aff)
+                ok = mine.pressure <= want.pressure + 1
+                assert choose_ranked(policy, ranked, 0, aff) == (aff if ok else want.instance)
+            assert choose(policy, loads, 5 if policy.kind == "round_robin" else 0, aff) == \
+                choose_ranked(policy, ranked, 5 if policy.kind == "round_robin" else 0, aff)
 
 
 def test_routing_errors() -> None:

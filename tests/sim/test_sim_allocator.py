@@ -97,3 +97,34 @@ def test_runs_of_ascending_lists_split_where_a_step_is_not_one() -> None:
     assert FreeBlockQueue._as_runs([7]) == [(7, 1, 1)] and FreeBlockQueue._as_runs([]) == []
     assert FreeBlockQueue._as_runs([5, 4, 3, 8]) == [(5, 3, -1), (8, 1, 1)]
     assert FreeBlockQueue._as_runs([5, 4, 6, 7]) == [(5, 2, -1), (6, 2, 1)]  # both: walked
+
+
+def test_the_hash_index_answers_as_a_dict_does() -> None:
+    """Random inserts, removals and lookups (tombstones, rebuilds, colliding slots) against a
+    dict: same answers throughout."""
+    import numpy as np
+
+    from kvplane.sim.engine import HashIndex
+
+    rng = np.random.default_rng(11)
+    index, ref = HashIndex(128), {}
+    for _ in range(600):
+        if ref and rng.random() < 0.4:
+            keys = list(ref)
+            picked = rng.permutation(len(keys))[: int(rng.integers(1, 20))].tolist()
+            gone = [keys[i] for i in picked]
+            index.remove(np.array(gone, dtype=np.uint64))
+            for h in gone:
+                del ref[h]
+        elif len(ref) < 100:
+            # small keys collide in their slots; big ones cover the whole uint64 range
+            pool = rng.integers(0, 300, size=30) if rng.random() < 0.5 else \
+                rng.integers(0, 2**64, size=30, dtype=np.uint64)
+            new = [h for h in dict.fromkeys(pool.tolist()) if h not in ref][:128 - len(ref)]
+            blocks = rng.integers(0, 1000, size=len(new))
+            index.add(np.array(new, dtype=np.uint64), blocks)
+            ref.update(zip(new, blocks.tolist()))
+        probe = list(ref)[:50] + rng.integers(0, 2**64, size=10, dtype=np.uint64).tolist()
+        got = index.get(np.array(probe, dtype=np.uint64)).tolist()
+        assert got == [ref.get(h, -1) for h in probe]
+        assert len(index) == len(ref)
