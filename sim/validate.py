@@ -322,14 +322,17 @@ def sensitivity(sc: Scenario, seeds: int, jobs: int,
     A synthetic history replaces the seed's `engine.pool_history`; `seed_results` (from
     `run_push_pull`) gives the first row without running it again."""
     seed_run = sc.engine.pool_run_blocks
-    history = ("" if sc.engine.pool_history == "none" else
-               f", after its `engine.pool_history: {sc.engine.pool_history}`")
+    history = sc.engine.pool_history
     assumed = (f"the seed assumes {seed_run}" if seed_run is not None else
-               f"the seed assumes none{history}: its figures above are the first row")
+               "the seed assumes none: its figures above are the first row")
+    own = ("the run's own requests" if history == "none" else
+           f"the history the seed names (`engine.pool_history: {history}`) and the run's own "
+           "requests; a synthetic history replaces it")
     lines = [("What-if: the high-load figures (8 QPS, 16k in; mean over "
               f"{seeds} seeds) under a synthetic history of decode's pool (`engine.pool_run_blocks`: "
               f"mean contiguous run it hands out, blocks; {assumed}; 'none' is what "
-              "the allocator gives from the run's own requests):"), "",
+              f"the allocator gives from {own}; the second column is the mean run the "
+              "transfers got):"), "",
              ("| synthetic run | mean run handed out (blocks) | TTFT push | TTFT pull | pull/push |"
               " TPOT push | TPOT pull | pull/push |"),
              "|---|---|---|---|---|---|---|---|"]
