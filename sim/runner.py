@@ -201,15 +201,20 @@ def serve_history(sim: Simulation, point: Point, block_size: int) -> int:
     """`engine.pool_history: sweep`: the same servers first run the sweep's earlier points
     (`point.history`), one after the other, each to its last request, as `vllm bench serve`
     runs a sweep, with a quiescent pause (`Simulation.drain`) after each. Their requests are
-    warm-up: named `h<k>-...`, recorded like any warm-up, and dropped from `sim.done`, so no
+    warm-up: named `h<k>-...`, not recorded (the point's run in the store holds the point's
+    requests; each earlier point is a run of its own) and dropped from `sim.done`, so no
     statistic of the point counts them. Returns how many."""
     served = 0
-    for k, earlier in enumerate(point.history):
-        batch = requests_for_point(earlier)
-        ids = [f"h{k}-{batch[i].request_id}" for i in range(len(batch))]
-        sim.env.run(until=feed(sim, batch, block_size, ids=ids, start=sim.env.now))
-        sim.drain()  # the pause between two benchmark runs: every lease and hold ends
-        served += len(batch)
+    rec, sim.rec = sim.rec, (lambda e: None)
+    try:
+        for k, earlier in enumerate(point.history):
+            batch = requests_for_point(earlier)
+            ids = [f"h{k}-{batch[i].request_id}" for i in range(len(batch))]
+            sim.env.run(until=feed(sim, batch, block_size, ids=ids, start=sim.env.now))
+            sim.drain()  # the pause between two benchmark runs: every lease and hold ends
+            served += len(batch)
+    finally:
+        sim.rec = rec
     del sim.done[:]
     return served
 
