@@ -123,7 +123,9 @@ def one(spec: str) -> None:
 def points(minutes: float) -> list[Point]:
     pp = load_scenario("seed_push_vs_pull")
     n = int(8 * 60 * minutes)
-    pp = pp.model_copy(update={"requests": n, "warmup_requests": 0})
+    # fresh servers per point: the speed of one point's own requests, not of the sweep before it
+    engine = pp.engine.model_copy(update={"pool_history": "none"})
+    pp = pp.model_copy(update={"requests": n, "warmup_requests": 0, "engine": engine})
     return [p for p in pp.points() if p.qps == 8 and p.input_len == 16384]
 
 
@@ -184,7 +186,8 @@ def main() -> None:
 
     pp = load_scenario("seed_push_vs_pull")
     n = int(8 * 60 * args.minutes)
-    pp = pp.model_copy(update={"requests": n, "warmup_requests": 0})
+    engine = pp.engine.model_copy(update={"pool_history": "none"})  # as in `points()`
+    pp = pp.model_copy(update={"requests": n, "warmup_requests": 0, "engine": engine})
     print(f"push/pull 1P1D, 8 QPS, 16k in, {n} requests (~{args.minutes:g} simulated minutes "
           f"of arrivals; saturated)")
     print(f"  {'mode':<5} {'recording':<9} {'sim s':>8} {'CPU s':>7} {'wall s':>7} "

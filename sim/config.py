@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -125,6 +125,14 @@ class EngineSettings(_Config):
         "hands out. Null (the default): the runs are what the simulated allocator hands out "
         "under the workload. Descriptors per transfer = runs x layers x 2, so this sets what "
         "a transfer costs to prepare and post",
+    )
+    pool_history: Literal["none", "sweep"] = Field(
+        default="none",
+        description="what the instances served before a sweep point's own requests. none: a "
+        "fresh server per point. sweep: the same servers ran the sweep's earlier points of the "
+        "same mode first (ascending input length, then output length, then rate, as a "
+        "`vllm bench serve` sweep is run), each to completion, as unmeasured warm-up, so the "
+        "block pools start the point in the state that history left them",
     )
     block_reuse: Literal["lifo", "fifo"] = Field(
         default="lifo",
@@ -659,6 +667,8 @@ class Point:
     iteration: int
     seed: int
     scenario: Scenario
+    # engine.pool_history "sweep": the points the same servers ran before this one, in order
+    history: tuple[Point, ...] = ()
 
     @property
     def label(self) -> str:
@@ -773,6 +783,8 @@ class Scenario(_Config):
                 seed=_point_seed(self.seed, qps, inp, out, it),
                 scenario=scenario,
             ))
+        if self.engine.pool_history == "sweep":
+            points = _with_history(points)
         return points
 
     def _concrete(self, mode: Mode, bidi: bool, qps: float | None, inp: int | None,
@@ -800,6 +812,23 @@ class Scenario(_Config):
         return self.model_copy(
             update={"connector": connector, "workload": workload, "sweep": Sweep()}
         )
+
+
+def _sweep_order(p: Point) -> tuple[int, int, int, float]:
+    """The order a `vllm bench serve` sweep runs its points on one deployment: per iteration,
+    ascending input length, then output length, then request rate."""
+    return (p.iteration, p.input_len or 0, p.output_len or 0, p.qps or 0.0)
+
+
+def _with_history(points: list[Point]) -> list[Point]:
+    """Each point with the points of the same deployment (mode, bidirectional) run before it."""
+    out: list[Point] = []
+    for p in points:
+        same = sorted((q for q in points if (q.mode, q.bidirectional) == (p.mode, p.bidirectional)),
+                      key=_sweep_order)
+        at = [q.index for q in same].index(p.index)
+        out.append(replace(p, history=tuple(same[:at])))
+    return out
 
 
 def _base_qps(workload: PoissonWorkload | MultiTurnWorkload | TraceWorkload) -> float | None:

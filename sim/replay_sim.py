@@ -54,7 +54,7 @@ from .costs import SimCosts
 from .engine import Simulation
 from .metrics import summarize
 from .profiles import load_profile
-from .runner import engine_config, feed
+from .runner import engine_config, feed, serve_history
 from .workloads import FIRST_PRIVATE, SHARED_STREAM, Request
 
 __all__ = [
@@ -183,20 +183,22 @@ def scenario_for_run(store: EventStore, run: RunInfo) -> Scenario:
     return _scenario_and_seed(store, run)[0]
 
 
-def _scenario_and_seed(store: EventStore, run: RunInfo) -> tuple[Scenario, int]:
-    """The run's scenario and the seed its point ran with (`meta.seed`, else the point's)."""
-    sc, seed = _find_scenario(store, run)
+def _scenario_and_seed(store: EventStore, run: RunInfo
+                       ) -> tuple[Scenario, int, tuple[Point, ...]]:
+    """The run's scenario, the seed its point ran with (`meta.seed`, else the point's) and the
+    sweep points its servers ran before it (`engine.pool_history: sweep`; else none)."""
+    sc, seed, history = _find_scenario(store, run)
     recorded = run.meta.get("seed") if isinstance(run.meta, dict) else None
     if isinstance(recorded, int) and not isinstance(recorded, bool):
         seed = recorded
-    return sc, seed
+    return sc, seed, history
 
 
-def _find_scenario(store: EventStore, run: RunInfo) -> tuple[Scenario, int]:
+def _find_scenario(store: EventStore, run: RunInfo) -> tuple[Scenario, int, tuple[Point, ...]]:
     meta = run.meta if isinstance(run.meta, dict) else {}
     if isinstance(meta.get("scenario"), dict):
         sc = scenario_from_data(meta["scenario"], file=f"run {run.id} meta.scenario")
-        return sc, sc.seed
+        return sc, sc.seed, ()
     label = meta.get("point") or (run.scenario.rpartition(":")[2] if ":" in run.scenario
                                   else None)
     candidates = [meta.get("compare_with"), run.scenario.partition(":")[0]]
@@ -208,7 +210,9 @@ def _find_scenario(store: EventStore, run: RunInfo) -> tuple[Scenario, int]:
         if parent is not None and isinstance(parent.meta.get("scenario"), dict):
             sc = scenario_from_data(parent.meta["scenario"], file=f"run {parent.id} meta.scenario")
             p = _pick(sc, label)
-            return p.scenario, p.seed
+            # a simulated point ran after its sweep history; what served a measured run
+            # before it is not recorded, so its twin starts on fresh servers
+            return p.scenario, p.seed, (p.history if run.kind == "sim" else ())
         if parent is not None:
             candidates = [parent.meta.get("compare_with"), *candidates,
                           parent.scenario.partition(":")[0]]
@@ -220,7 +224,7 @@ def _find_scenario(store: EventStore, run: RunInfo) -> tuple[Scenario, int]:
         except ScenarioError:
             continue
         p = _pick(sc, label)
-        return p.scenario, p.seed
+        return p.scenario, p.seed, ()
     raise ScenarioError(f"run {run.id}", [(
         "scenario",
         ("a run recorded with its scenario, or one named after a bundled scenario or a "
@@ -271,8 +275,10 @@ def _requests(recorded: Sequence[RecordedRequest], sc: Scenario
 
 def _run_until(sim: Simulation, done_event: Any, total: int, progress: Progress | None,
                what: str) -> None:
-    """`env.run(until=done_event)`, reporting progress as requests finish."""
+    """`env.run(until=done_event)`, reporting progress as requests finish (requests finished
+    before it, a sweep history's, are not counted)."""
     env = sim.env
+    base = sim.finished_count
     if progress is None:
         env.run(until=done_event)
         return
@@ -283,10 +289,10 @@ def _run_until(sim: Simulation, done_event: Any, total: int, progress: Progress 
             break  # nothing left to happen: a stuck workload; summarize() says what finished
         env.step()
         steps += 1
-        if steps % 2000 == 0 and sim.finished_count != last:
-            last = sim.finished_count  # not len(sim.done): a long run streams (runner.py)
+        if steps % 2000 == 0 and sim.finished_count - base != last:
+            last = sim.finished_count - base  # not len(sim.done): a long run streams (runner.py)
             progress(last, total, what)
-    progress(sim.finished_count, total, what)
+    progress(sim.finished_count - base, total, what)
 
 
 def _summary(sim: Simulation, warmup: float, wall: float, simulated: float) -> dict[str, Any]:
@@ -332,8 +338,9 @@ def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | No
             profiles: Sequence[str | Path], mode: str | None, bidirectional: bool | None,
             progress: Progress | None) -> str:
     run = store.run(run_id)
+    history: tuple[Point, ...] = ()
     if scenario is None:
-        sc, seed = _scenario_and_seed(store, run)
+        sc, seed, history = _scenario_and_seed(store, run)
     elif isinstance(scenario, Scenario):
         sc, seed = scenario, scenario.seed
     else:
@@ -351,7 +358,7 @@ def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | No
     connector = sc.connector.model_copy(update={"mode": mode, "bidirectional": bidi})
     sc = sc.model_copy(update={"connector": connector})
     point = Point(index=0, mode=connector.mode, bidirectional=bidi, qps=None, input_len=None,
-                  output_len=None, iteration=0, seed=seed, scenario=sc)
+                  output_len=None, iteration=0, seed=seed, scenario=sc, history=history)
     reqs, ids = _requests(recorded, sc)
     try:
         costs = SimCosts.from_scenario(sc)
@@ -367,12 +374,15 @@ def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | No
     rec = BatchingRecorder(store, twin)
     try:
         sim = Simulation(cfg, costs, rec.record)
+        # a simulated sweep point whose servers served the sweep before it: the same history
+        serve_history(sim, point, cfg.decode_layout.block_size)
+        begin = sim.env.now
         done = feed(sim, reqs, cfg.decode_layout.block_size, ids=ids,
                     tenants=[r.tenant for r in recorded],
-                    conversations=[r.conversation for r in recorded])
+                    conversations=[r.conversation for r in recorded], start=begin)
         wall = time.perf_counter()
         _run_until(sim, done, len(reqs), progress, f"replaying {run_id[:8]}")
-        simulated = sim.env.now
+        simulated = sim.env.now - begin
         sim.drain()
         wall = time.perf_counter() - wall
     finally:

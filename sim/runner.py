@@ -69,14 +69,15 @@ def engine_config(point: Point, costs: SimCosts) -> EngineConfig:
 
 def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: int, *,
          ids: Sequence[str] | None = None, tenants: Sequence[str] | None = None,
-         conversations: Sequence[str | None] | None = None) -> Any:
+         conversations: Sequence[str | None] | None = None, start: float = 0.0) -> Any:
     """Release the workload into the simulation: open-loop arrivals for first turns, closed
     loop (previous turn's finish + think time) for later turns. `ids`, `tenants` and
     `conversations` (indexed by rid) keep a recorded run's names; else they are generated.
+    `start` shifts every arrival (a batch fed after earlier ones have run).
     Returns an event that fires when every request has finished."""
     env = sim.env
     all_done = env.event()
-    total = len(batch)
+    total = sim.finished_count + len(batch)
     followers: dict[int, list[Request]] = {}
     firsts: list[Request] = []
     for i in range(len(batch)):
@@ -113,8 +114,8 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
 
     def arrivals() -> Any:
         for q in firsts:
-            if q.arrival > env.now:
-                yield env.timeout(q.arrival - env.now)
+            if start + q.arrival > env.now:
+                yield env.timeout(start + q.arrival - env.now)
             sim.submit(make(q))
 
     env.process(arrivals())
@@ -137,6 +138,10 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
     costs = SimCosts.from_scenario(point.scenario)
     cfg = engine_config(point, costs)
     sim = Simulation(cfg, costs, record)
+    wall = time.perf_counter()
+    history = serve_history(sim, point, cfg.decode_layout.block_size)
+    preempted = _preemptions(sim)
+    begin = sim.env.now
     batch = requests_for_point(point)
     if stream is None:
         stream = len(batch) > STREAM_ABOVE
@@ -144,13 +149,12 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
     if stream:
         streamed = StreamingSummary(cfg.decode_layout.block_size)
         sim.sink = streamed.add
-    all_done = feed(sim, batch, cfg.decode_layout.block_size)
-    wall = time.perf_counter()
+    all_done = feed(sim, batch, cfg.decode_layout.block_size, start=begin)
     if run is None:
         sim.env.run(until=all_done)
     else:
         run(sim, all_done, len(batch))
-    simulated = sim.env.now
+    simulated = sim.env.now - begin
     if drain:
         sim.drain()
     wall = time.perf_counter() - wall
@@ -177,15 +181,42 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
                       "requests/s"),
         **stats,
         "mean_run_blocks": mean_run_blocks,
-        # vllm:num_preemptions_total, summed over all instances (the whole run, warm-up too)
-        "preemptions": sum(i.preemptions for i in (*sim.prefills.values(),
-                                                   *sim.decodes.values())),
+        # vllm:num_preemptions_total, summed over all instances (the point's requests, its
+        # warm-up too, not the history)
+        "preemptions": _preemptions(sim) - preempted,
         "simulated_s": simulated,
         "wall_s": wall,
-        "finished": sim.finished_count,
+        "finished": sim.finished_count - history,
         "submitted": len(batch),
+        "history_requests": history,
     }
     return sim, summary
+
+
+def _preemptions(sim: Simulation) -> int:
+    return sum(i.preemptions for i in (*sim.prefills.values(), *sim.decodes.values()))
+
+
+def serve_history(sim: Simulation, point: Point, block_size: int) -> int:
+    """`engine.pool_history: sweep`: the same servers first run the sweep's earlier points
+    (`point.history`), one after the other, each to its last request, as `vllm bench serve`
+    runs a sweep, with a quiescent pause (`Simulation.drain`) after each. Their requests are
+    warm-up: named `h<k>-...`, not recorded (the point's run in the store holds the point's
+    requests; each earlier point is a run of its own) and dropped from `sim.done`, so no
+    statistic of the point counts them. Returns how many."""
+    served = 0
+    rec, sim.rec = sim.rec, (lambda e: None)
+    try:
+        for k, earlier in enumerate(point.history):
+            batch = requests_for_point(earlier)
+            ids = [f"h{k}-{batch[i].request_id}" for i in range(len(batch))]
+            sim.env.run(until=feed(sim, batch, block_size, ids=ids, start=sim.env.now))
+            sim.drain()  # the pause between two benchmark runs: every lease and hold ends
+            served += len(batch)
+    finally:
+        sim.rec = rec
+    del sim.done[:]
+    return served
 
 
 def _run_point(args: tuple[Point, str | None, str | None]) -> dict[str, Any]:

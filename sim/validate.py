@@ -315,26 +315,45 @@ def replace_point(p: Point, **connector: Any) -> Point:
 
 
 def sensitivity(sc: Scenario, seeds: int, jobs: int,
-                runs: Iterable[float | None] = (None, 9.0, 6.2, 4.0)) -> list[str]:
-    """The high-load push/pull figures against decode-pool fragmentation (not published)."""
+                runs: Iterable[float | None] = (None, 9.0, 6.2, 4.0),
+                seed_results: Sequence[dict[tuple[Any, ...], dict[str, Any]]] | None = None,
+                ) -> list[str]:
+    """The high-load push/pull figures against decode-pool fragmentation (not published).
+    A synthetic history replaces the seed's `engine.pool_history`; `seed_results` (from
+    `run_push_pull`) gives the first row without running it again."""
     seed_run = sc.engine.pool_run_blocks
+    history = sc.engine.pool_history
     assumed = (f"the seed assumes {seed_run}" if seed_run is not None else
                "the seed assumes none: its figures above are the first row")
+    own = ("the run's own requests" if history == "none" else
+           f"the history the seed names (`engine.pool_history: {history}`) and the run's own "
+           "requests; a synthetic history replaces it")
     lines = [("What-if: the high-load figures (8 QPS, 16k in; mean over "
               f"{seeds} seeds) under a synthetic history of decode's pool (`engine.pool_run_blocks`: "
               f"mean contiguous run it hands out, blocks; {assumed}; 'none' is what "
-              "the allocator gives from the run's own requests):"), "",
-             "| synthetic run | TTFT push | TTFT pull | pull/push | TPOT push | TPOT pull | pull/push |",
-             "|---|---|---|---|---|---|---|"]
+              f"the allocator gives from {own}; the second column is the mean run the "
+              "transfers got):"), "",
+             ("| synthetic run | mean run handed out (blocks) | TTFT push | TTFT pull | pull/push |"
+              " TPOT push | TPOT pull | pull/push |"),
+             "|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        engine = sc.engine.model_copy(update={"pool_run_blocks": r})
-        base = sc.model_copy(update={"engine": engine})
-        pts = [p for k in range(seeds) for p in _seeded(base, k).points()
-               if p.qps == 8 and p.input_len == 16384]
-        res = _run_points(pts, jobs)
         by: dict[str, list[dict[str, Any]]] = {}
-        for p, (_, s) in zip(pts, res, strict=True):
-            by.setdefault(p.mode, []).append(s)
+        if r is None and seed_results is not None and seed_run is None:
+            for d in seed_results:
+                for (mode, qps, inp), s in d.items():
+                    if qps == 8 and inp == 16384:
+                        by.setdefault(mode, []).append(s)
+        else:
+            update: dict[str, Any] = {"pool_run_blocks": r}
+            if r is not None:
+                update["pool_history"] = "none"
+            engine = sc.engine.model_copy(update=update)
+            base = sc.model_copy(update={"engine": engine})
+            pts = [p for k in range(seeds) for p in _seeded(base, k).points()
+                   if p.qps == 8 and p.input_len == 16384]
+            res = _run_points(pts, jobs)
+            for p, (_, s) in zip(pts, res, strict=True):
+                by.setdefault(p.mode, []).append(s)
 
         def m(mode: str, metric: str, by: dict[str, list[dict[str, Any]]] = by) -> Interval:
             return mean_interval([s[metric]["mean"] for s in by[mode]])
@@ -343,8 +362,12 @@ def sensitivity(sc: Scenario, seeds: int, jobs: int,
                             for a, b in zip(by["push"], by["pull"], strict=True)])
         pr = mean_interval([b["tpot_ms"]["mean"] / a["tpot_ms"]["mean"]
                             for a, b in zip(by["push"], by["pull"], strict=True)])
-        label = r if r is not None else "none (the allocator alone)"
-        lines.append(f"| {label} | {m('push', 'ttft_ms').mean:.0f}"
+        label = r if r is not None else (
+            "none (the allocator alone)" if not history else
+            f"none (the allocator after the {sc.engine.pool_history} history)")
+        run_len = mean_interval([s["mean_run_blocks"] for v in by.values() for s in v
+                                 if s["mean_run_blocks"] is not None])
+        lines.append(f"| {label} | {run_len.mean:.1f} | {m('push', 'ttft_ms').mean:.0f}"
                      f" | {m('pull', 'ttft_ms').mean:.0f} | {tr.text('.2f')}x | "
                      f"{m('push', 'tpot_ms').mean:.2f} | {m('pull', 'tpot_ms').mean:.2f} | "
                      f"{pr.text('.2f')}x |")
@@ -368,8 +391,8 @@ def run_validation(jobs: int = 0, seeds: int = DEFAULT_SEEDS,
         pp, bd = apply_calibration(pp, calibration), apply_calibration(bd, calibration)
     cal_pp = calibration or calibration_for(pp)
     cal_bd = calibration or calibration_for(bd)
-    checks = push_pull_checks(pp, run_push_pull(pp, seeds, jobs),
-                              fitted_map(cal_pp, "seed_push_vs_pull"))
+    pp_results = run_push_pull(pp, seeds, jobs)
+    checks = push_pull_checks(pp, pp_results, fitted_map(cal_pp, "seed_push_vs_pull"))
     checks += bidirectional_checks(bd, run_bidirectional(bd, seeds, jobs),
                                    fitted_map(cal_bd, "seed_bidirectional"))
     from .config import load_published
@@ -412,7 +435,7 @@ def run_validation(jobs: int = 0, seeds: int = DEFAULT_SEEDS,
         lines += ["", "Inconsistent anchors:"]
         lines += [f"- {c.name}: {c.anchor_note}." for c in notes]
     if sensitivity_table:
-        lines += ["", *sensitivity(pp, seeds, jobs)]
+        lines += ["", *sensitivity(pp, seeds, jobs, seed_results=pp_results)]
     failed = [c for c in predicted if not c.ok]
     passed = [c for c in predicted if c.within]
     lines += ["", (f"{len(passed)} of {len(predicted)} predicted checks pass; {len(failed)} fail; "
