@@ -106,15 +106,12 @@ def choose(costs: MethodCosts, nbytes: int, descriptors: int, *,
     wins. `runs`: what the staged path plans per item (the descriptors for a run list; the
     block count for a block-level transfer, planned from block ids whatever the layer
     count)."""
-    other: Method = "direct"
+    best: Method = "direct"
+    best_time = direct_time(costs, nbytes, descriptors)
     if staging_available and descriptors > 1:
-        planned = descriptors if runs is None else runs
-        if staged_time(costs, nbytes, planned) < STAGING_MARGIN * direct_time(
-                costs, nbytes, descriptors):
-            other = "staged"
-    if ipc is None:
-        return other
-    planned = descriptors if runs is None else runs
-    best = (staged_time(costs, nbytes, planned) if other == "staged"
-            else direct_time(costs, nbytes, descriptors))
-    return "ipc" if ipc_time(costs, nbytes, ipc) < best else other
+        staged = staged_time(costs, nbytes, descriptors if runs is None else runs)
+        if staged < STAGING_MARGIN * best_time:
+            best, best_time = "staged", staged
+    if ipc is not None and ipc_time(costs, nbytes, ipc) < best_time:
+        return "ipc"
+    return best

@@ -785,25 +785,21 @@ class Transport:
     def _poll_ipc(self, t: Transfer) -> Status:
         """The copy's event; once it is done, the notification (as a WRITE's arrives after its
         data), then DONE."""
-        job, status = t.handle, Status.PENDING
+        job = t.handle
         if not isinstance(job, _IpcJob):
             return t.result.status if t.result else Status.FAILED
+        failure = ""
         try:
             done = job.event is None or bool(job.event.query())
         except Exception as exc:  # noqa: BLE001 - a CUDA error: the transfer failed
-            t.handle = None
-            self._ipc_pending -= 1
-            t.finish(Status.FAILED, f"IPC copy failed: {_why(exc)}")
-            return Status.FAILED
+            done, failure = True, f"IPC copy failed: {_why(exc)}"
         if not done:
-            return status
+            return Status.PENDING
         t.handle = None
         self._ipc_pending -= 1
-        if job.notify and not self._agent_notify(t.peer, job.notify):
-            t.finish(Status.FAILED, "copied, but the notification could not be sent")
-        else:
-            t.finish(Status.DONE)
-        return t.result.status if t.result else Status.FAILED
+        if not failure and job.notify and not self._agent_notify(t.peer, job.notify):
+            failure = "copied, but the notification could not be sent"
+        return (t.finish(Status.FAILED, failure) if failure else t.finish(Status.DONE)).status
 
     def poll(self, transfer: Transfer) -> Status:
         """One non-blocking look at a transfer; also drains notifications into the inbox."""
