@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import functools
 import importlib.util
 import json
 import os
@@ -119,6 +120,7 @@ def _timed(name: str, fn: Any) -> Any:
     return wrapper
 
 
+@functools.cache
 def _build_timed() -> type:
     from kvplane.live.connector import KvplaneConnector
 
@@ -141,14 +143,9 @@ def _build_timed() -> type:
     return cls
 
 
-_CLS: list[type] = []
-
-
 def __getattr__(name: str) -> Any:
-    if name == "TimedKvplaneConnector":
-        if not _CLS:
-            _CLS.append(_build_timed())
-        return _CLS[0]
+    if name == "TimedKvplaneConnector":  # built on first use: vLLM is imported only in its servers
+        return _build_timed()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -323,6 +320,17 @@ def stream_one(url: str, toks: list[int], max_tokens: int, conversation: str | N
     return ids, ttft, tpot, xfer
 
 
+def workload_args(ap: argparse.ArgumentParser, *, conversations: int, turns: int,
+                  first_tokens: int, new_tokens: int, max_tokens: int) -> None:
+    """The options `run_workload` reads, with a benchmark's own defaults."""
+    ap.add_argument("--conversations", type=int, default=conversations)
+    ap.add_argument("--turns", type=int, default=turns)
+    ap.add_argument("--first-tokens", type=int, default=first_tokens)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--concurrency", type=int, default=1)
+
+
 def run_workload(url: str, args: argparse.Namespace, tag: str) -> list[Result]:
     def conversation(c: int) -> list[Result]:
         out, history = [], prompt(10_000 + c, args.first_tokens)
@@ -404,12 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", default=["pull", "push", "bidirectional"],
                     choices=["pull", "push", "bidirectional"])
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--first-tokens", type=int, default=200)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=1)
+    workload_args(ap, conversations=4, turns=3, first_tokens=200, new_tokens=48, max_tokens=32)
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds over all modes, the mode order rotated each round; the first "
                          "round warms up (prompt shapes the CPU kernels have not seen yet) and "

@@ -36,6 +36,7 @@ asserts a duration.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sqlite3
@@ -74,6 +75,7 @@ def _stamp(kind: str, **kw: Any) -> None:
         _OUT[0].flush()
 
 
+@functools.cache
 def _build_traced() -> type:
     from kvplane.live.connector import KvplaneConnector
 
@@ -125,14 +127,9 @@ def _build_traced() -> type:
     return TracedKvplaneConnector
 
 
-_CLS: list[type] = []
-
-
 def __getattr__(name: str) -> Any:
-    if name == "TracedKvplaneConnector":
-        if not _CLS:
-            _CLS.append(_build_traced())
-        return _CLS[0]
+    if name == "TracedKvplaneConnector":  # built on first use: vLLM is imported only in its servers
+        return _build_traced()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -211,20 +208,16 @@ def analyse(trace_dir: Path, db: Path, run: str, xfers: set[str]) -> dict[str, l
 
 
 def main(argv: list[str] | None = None) -> int:
+    import live_pd  # a sibling script: its directory is on sys.path
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--conversations", type=int, default=6)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--first-tokens", type=int, default=100)
-    ap.add_argument("--new-tokens", type=int, default=36)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--concurrency", type=int, default=1)
+    live_pd.workload_args(ap, conversations=6, turns=4, first_tokens=100, new_tokens=36,
+                          max_tokens=24)
     ap.add_argument("--report-in-step", action=argparse.BooleanOptionalAction, default=True,
                     help="report a finished load in the step output the scheduler learns of "
                          "it in (the connector's way); off: through the next step's workers")
     ap.add_argument("--logs", type=Path, default=None)
     args = ap.parse_args(argv)
-
-    import live_pd  # a sibling script: its directory is on sys.path
 
     servers = live_pd._load("servers")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvplane-reuse-gap-"))
