@@ -290,33 +290,10 @@ def _client() -> Any:
 def stream_one(url: str, toks: list[int], max_tokens: int, conversation: str | None
                ) -> tuple[list[int], float, float, str]:
     """One streamed request: (output token ids, TTFT, TPOT, the router's request id)."""
-    client = _client()
-    body: dict[str, Any] = {"model": "tiny", "prompt": toks, "max_tokens": max_tokens,
-                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-                            "stream": True}
-    if conversation is not None:
-        body["conversation_id"] = conversation
-    ids: list[int] = []
-    first = last = 0.0
-    t0 = time.perf_counter()
-    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        xfer = r.headers.get("x-request-id", "")
-        for line in r.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            obj = json.loads(line[5:])
-            got = [t for c in obj.get("choices") or [] for t in c.get("token_ids") or []]
-            if got:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                ids += got
+    xfer, ids, ttft, tpot = _load("servers").stream_completion(_client(), url, toks, max_tokens,
+                                                               conversation)
     if not ids:
         raise RuntimeError("no tokens streamed")
-    ttft = first - t0
-    tpot = (last - first) / (len(ids) - 1) if len(ids) > 1 else 0.0
     return ids, ttft, tpot, xfer
 
 

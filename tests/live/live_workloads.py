@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib.util
-import json
 import random
 import sqlite3
 import sys
@@ -90,21 +89,8 @@ def prompt(seed: int, n: int) -> list[int]:
 def stream(client: httpx.Client, url: str, toks: list[int], max_tokens: int,
            conversation: str | None) -> tuple[str, list[int]]:
     """One streamed completion through the router: (its request id, output token ids)."""
-    body: dict[str, Any] = {"model": "tiny", "prompt": toks, "max_tokens": max_tokens,
-                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-                            "stream": True}
-    if conversation is not None:
-        body["conversation_id"] = conversation
-    ids: list[int] = []
-    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        rid = r.headers.get("x-request-id", "")
-        for line in r.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            obj = json.loads(line[5:])
-            ids += [t for c in obj.get("choices") or [] for t in c.get("token_ids") or []]
+    rid, ids, _, _ = _load("servers").stream_completion(client, url, toks, max_tokens,
+                                                        conversation)
     if not ids or not rid:
         raise RuntimeError("no tokens or no request id came back")
     return rid, ids

@@ -540,6 +540,37 @@ def pd_cluster(suite: str, connector: dict[str, Any], *, handle_key: str = "",
                      db, run, logs, more)
 
 
+def stream_completion(client: httpx.Client, url: str, toks: list[int], max_tokens: int,
+                      conversation: str | None = None) -> tuple[str, list[int], float, float]:
+    """One streamed greedy completion of token ids at `url` (a router or an engine): (the
+    answer's X-Request-Id, "" without one; the output token ids; TTFT and TPOT in seconds,
+    from the request's start). A status other than 200 raises with the body's start."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "prompt": toks, "max_tokens": max_tokens,
+                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+                            "stream": True}
+    if conversation is not None:
+        body["conversation_id"] = conversation
+    ids: list[int] = []
+    first = last = 0.0
+    t0 = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        rid = r.headers.get("x-request-id", "")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            obj = json.loads(line[5:])
+            got = [t for c in obj.get("choices") or [] for t in c.get("token_ids") or []]
+            if got:
+                last = time.perf_counter()
+                first = first or last
+                ids += got
+    ttft = first - t0 if ids else 0.0
+    tpot = (last - first) / (len(ids) - 1) if len(ids) > 1 else 0.0
+    return rid, ids, ttft, tpot
+
+
 def only(evs: list[Any], kind: type, **match: object) -> list[Any]:
     """The events of `kind` whose fields equal `match`."""
     return [e for e in evs if isinstance(e, kind)
