@@ -235,17 +235,23 @@ class HashIndex:
 
     def _find(self, hs: np.ndarray) -> np.ndarray:
         """The slot of each key, -1 where it is absent."""
+        idx = self._slots(hs)
+        keys, vals = self.keys, self.vals
+        v = vals[idx]
+        hit = (keys[idx] == hs) & (v >= 0)
+        # the usual case: every key settled at its home slot (found there, or the slot empty)
+        if (hit | (v == self._EMPTY)).all():
+            return np.where(hit, idx, -1)
         out = np.full(len(hs), -1, dtype=np.int64)
         todo = np.arange(len(hs))
-        idx = self._slots(hs)
-        keys, vals, mask = self.keys, self.vals, len(self.keys) - 1
+        mask = len(keys) - 1
         want = hs
         while len(todo):
-            v = vals[idx]
             hit = (keys[idx] == want) & (v >= 0)
             out[todo[hit]] = idx[hit]
             go = ~hit & (v != self._EMPTY)
             todo, idx, want = todo[go], (idx[go] + 1) & mask, want[go]
+            v = vals[idx]
         return out
 
     def get(self, hs: np.ndarray) -> np.ndarray:
@@ -262,21 +268,34 @@ class HashIndex:
             self._rebuild()
         todo = np.arange(len(hs))
         idx = self._slots(hs)
-        mask = size - 1
+        keys, vals, mask = self.keys, self.vals, size - 1
         while len(todo):
-            v = self.vals[idx]
-            free = np.flatnonzero(v < 0)
-            # the first of the keys aiming at one free slot takes it; the rest probe on
-            _, first = np.unique(idx[free], return_index=True)
-            won = free[first]
+            # each key aiming at a free slot writes its number there; the one whose number
+            # reads back takes the slot, the rest (occupied slot, or another key won) probe on
+            v = vals[idx]
+            free = v < 0
+            vals[idx[free]] = todo[free]
+            won = free & (vals[idx] == todo)
             slot = idx[won]
             self.removed -= int(np.count_nonzero(v[won] == self._GONE))
-            self.keys[slot] = hs[todo[won]]
-            self.vals[slot] = blocks[todo[won]]
-            go = np.ones(len(todo), dtype=bool)
-            go[won] = False
+            keys[slot] = hs[todo[won]]
+            vals[slot] = blocks[todo[won]]
+            if won.all():
+                break
+            go = ~won
             todo, idx = todo[go], (idx[go] + 1) & mask
         self.live += len(hs)
+
+    def distinct(self, hs: np.ndarray) -> bool:
+        """Whether no key appears twice in `hs`: distinct home slots prove it (each key's
+        number written to its slot reads back), else an exact check."""
+        idx = self._slots(hs)
+        v = self.vals[idx]
+        mark = np.arange(len(hs), dtype=np.int32)
+        self.vals[idx] = mark
+        ok = bool((self.vals[idx] == mark).all())
+        self.vals[idx] = v
+        return ok or len(np.unique(hs)) == len(hs)
 
     def remove(self, hs: np.ndarray) -> None:
         """Remove keys that are present."""
@@ -547,6 +566,7 @@ class BlockPool:
         self.reserved = 0  # blocks promised to running requests' future tokens
         self.version = 0  # changes whenever `block_of` does
         self._hits_memo: tuple[Any, int, int, list[int]] | None = None
+        self._mark: np.ndarray | None = None  # scratch for `_distinct`, made when first used
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
@@ -650,6 +670,15 @@ class BlockPool:
                 lru.remove(np.array([b], dtype=np.int64))
             ref[b] += 1
 
+    def _distinct(self, blocks: np.ndarray) -> bool:
+        """Whether no block appears twice: each block's number written at its place in a
+        scratch array reads back (a block named twice reads one number for both)."""
+        if self._mark is None:
+            self._mark = np.zeros(self.capacity, dtype=np.int32)
+        mark = np.arange(len(blocks), dtype=np.int32)
+        self._mark[blocks] = mark
+        return bool((self._mark[blocks] == mark).all())
+
     def cache(self, hashes: Sequence[int] | np.ndarray, blocks: tuple[int, ...]) -> None:
         """Register the full blocks of a computed prompt in the prefix cache."""
         if not self.prefix_caching:
@@ -666,7 +695,7 @@ class BlockPool:
         at = at[block_of.get(hs_all[at]) < 0]
         hs, bs = hs_all[at], arr[at]
         self.version += 1
-        if len(np.unique(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct
+        if self._distinct(bs) and block_of.distinct(hs):
             block_of.add(hs, bs)
             hashed[bs] = True
             self.hash_of[bs] = hs
