@@ -422,17 +422,29 @@ class FreeBlockQueue:
 
     @staticmethod
     def _as_runs(blocks: list[int] | np.ndarray) -> list[tuple[int, int, int]]:
-        if len(blocks) == 0:
+        """`blocks` cut into runs `(start, length, step)`, each a maximal stretch of ids one
+        apart in one direction (step +1 or -1; 1 for a lone block), taken greedily from the
+        front. In a list of distinct ids a stretch can only end where two neighbours are not
+        one apart (turning round would repeat an id), so the runs are cut there in one array
+        pass; a list that turns round (a repeated id) is walked block by block."""
+        n = len(blocks)
+        if n == 0:
             return []
         arr = np.asarray(blocks, dtype=np.int64)
-        steps = np.diff(arr)
-        for step in (1, -1):
-            if not (steps == -step).any():  # one direction only: runs end where a step is not
-                ends = [*(np.flatnonzero(steps != step) + 1).tolist(), len(arr)]
-                starts = arr[[0, *ends[:-1]]].tolist()
-                return [(s, b - a, step if b - a > 1 else 1)
-                        for s, a, b in zip(starts, [0, *ends[:-1]], ends)]
-        blocks = arr.tolist()
+        d = np.diff(arr)
+        one = (d == 1) | (d == -1)
+        if n > 2 and (one[:-1] & one[1:] & (d[:-1] != d[1:])).any():
+            return FreeBlockQueue._as_runs_walk(arr.tolist())
+        first = np.flatnonzero(~one) + 1
+        starts = np.concatenate(([0], first))
+        lengths = np.diff(np.append(starts, n))
+        steps = np.ones(len(starts), dtype=np.int64)
+        long = lengths > 1
+        steps[long] = d[starts[long]]
+        return list(zip(arr[starts].tolist(), lengths.tolist(), steps.tolist()))
+
+    @staticmethod
+    def _as_runs_walk(blocks: list[int]) -> list[tuple[int, int, int]]:
         runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(blocks):

@@ -149,3 +149,24 @@ def test_distinct_checks_agree_with_a_set() -> None:
         assert pool._distinct(bs) == (len(set(bs.tolist())) == n)
     # the check leaves the index as it was
     assert index.get(np.arange(1, 40, dtype=np.uint64)).tolist() == list(range(39))
+
+
+def test_runs_cut_in_one_pass_equal_the_walk() -> None:
+    """`FreeBlockQueue._as_runs` (array pass) gives the block-by-block walk's runs, on lists
+    of runs of both directions, with and without a repeated id."""
+    import numpy as np
+
+    from kvplane.sim.engine import FreeBlockQueue
+
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        n = int(rng.integers(0, 40))
+        ids: list[int] = []
+        while len(ids) < n:
+            start, length = int(rng.integers(0, 200)), int(rng.integers(1, 8))
+            step = 1 if rng.random() < 0.5 else -1
+            ids += [start + step * k for k in range(length)]
+        ids = ids[:n]
+        if rng.random() < 0.5:
+            ids = list(dict.fromkeys(ids))  # distinct
+        assert FreeBlockQueue._as_runs(ids) == FreeBlockQueue._as_runs_walk(ids)
