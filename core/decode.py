@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import chain
 from typing import Literal
 
 from .checks import duplicates, finite, ours, theirs
@@ -167,17 +168,35 @@ DecodeCommand = (
 # --- state -----------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Entry:
     attempt: int
     phase: str = "decoding"
     mode: str = "push"
-    blocks: tuple[int, ...] = ()
+    # the block lists reserved, in order: a growing request adds one per reservation, joined
+    # only when `blocks` is read (concatenating at every reservation copied the whole list)
+    parts: list[tuple[int, ...]] = field(default_factory=list)
     num_tokens: int = 0
     expected: frozenset[tuple[int, int]] = frozenset()
     received: set[tuple[int, int]] = field(default_factory=set)
     deadline: float = float("inf")
     since: float = 0.0
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Every block reserved, in order."""
+        parts = self.parts
+        if len(parts) > 1:
+            parts[:] = [tuple(chain.from_iterable(parts))]
+        return parts[0] if parts else ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Entry):
+            return NotImplemented
+        return (self.attempt, self.phase, self.mode, self.blocks, self.num_tokens,
+                self.expected, self.received, self.deadline, self.since) == (
+            other.attempt, other.phase, other.mode, other.blocks, other.num_tokens,
+            other.expected, other.received, other.deadline, other.since)
 
 
 Key = tuple[str, int]
@@ -468,7 +487,8 @@ class DecodeCore(Machine[DecodeCommand]):
         if isinstance(ev, BlocksReserved):
             self.ledger.apply(ev)
             e = self._open(key, ev.at)
-            e.blocks = e.blocks + ev.blocks
+            if ev.blocks:
+                e.parts.append(ev.blocks)
         elif isinstance(ev, BlocksFreed):
             self.ledger.apply(ev)
             self._end(key)
