@@ -592,8 +592,16 @@ class BlockPool:
             return None
         if self.ring is not None:
             return self.ring.take(n, self.rng.geometric(1.0 / self.run_blocks, size=n))
-        out = self.queue.popleft_n(n)
-        arr = np.array(out, dtype=np.int64)
+        if not self.prefix_caching:
+            # no hashes and no sharing: a block's holder count is never asked (`give` frees
+            # every block of a request whatever it says)
+            return tuple(self.queue.popleft_n(n))
+        if self.queue.runs:
+            out = self.queue.popleft_n(n)
+            arr = np.array(out, dtype=np.int64)
+        else:  # every free block waits in the cache's LRU: taken as an array
+            arr = self.queue.lru.popleft(n)
+            out = arr.tolist()
         self.ref[arr] = 1
         cached = arr[self.hashed[arr]]
         if len(cached):  # taking a cached block from the head evicts its hash
@@ -609,7 +617,9 @@ class BlockPool:
             return
         ref, hashed = self.ref, self.hashed
         rev = np.array(blocks[::-1], dtype=np.int64)
-        if (ref[rev] <= 1).all():
+        if not self.prefix_caching:  # no hashes, no sharing (see `take`): all to the front
+            front, back = rev, rev[:0]
+        elif (ref[rev] <= 1).all():
             # the usual case: every block's last holder frees it
             ref[rev] = 0
             mask = hashed[rev]
