@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 
-from .checks import duplicates
+from .checks import found_fine
 from .events import BlocksFreed, BlocksReserved
 
 
@@ -109,7 +109,7 @@ class Ledger:
             return
         held = self._held(req)
         # (a list the core already found free of repeats is not checked again)
-        if ev.blocks == held and duplicates(ev.blocks) is None:
+        if ev.blocks == held and (found_fine(ev.blocks) or len(set(held)) == len(held)):
             # the usual case: the request frees everything it holds, each block once
             freed: set[int] | tuple[int, ...] = held
             self.chunks.pop(req, None)

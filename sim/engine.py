@@ -577,7 +577,8 @@ class BlockPool:
         self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
         self.version = 0  # changes whenever `block_of` does
-        self._hits_memo: tuple[Any, int, int, list[int]] | None = None
+        self._hits_memo: tuple[Any, int, int, list[int], np.ndarray] | None = None
+        self._arrays: tuple[list[int], np.ndarray] | None = None  # a list and its array
         self._mark: np.ndarray | None = None  # scratch for `_distinct`, made when first used
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
@@ -646,31 +647,44 @@ class BlockPool:
         the map has not changed (a request waiting at the head of the queue for blocks), the
         last answer is given again."""
         memo = self._hits_memo
-        if memo is not None and memo[0] is hashes and memo[1] == limit and memo[2] == self.version:
-            return list(memo[3])
-        out = self._hits(hashes, limit)
-        self._hits_memo = (hashes, limit, self.version, out)
-        return list(out)
+        if memo is None or memo[0] is not hashes or memo[1] != limit or memo[2] != self.version:
+            memo = self._hits_memo = self._hits(hashes, limit)
+        out = list(memo[3])
+        self._arrays = (out, memo[4])  # `free_of` and `touch` of this list need no conversion
+        return out
 
-    def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int) -> list[int]:
+    def _array(self, blocks: list[int]) -> np.ndarray:
+        """`blocks` as an array: the one made with this very list (`_arrays`), or anew."""
+        got = self._arrays
+        if got is not None and got[0] is blocks:
+            return got[1]
+        return np.array(blocks, dtype=np.int64)
+
+    def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int
+              ) -> tuple[Any, int, int, list[int], np.ndarray]:
         end = min(limit, len(hashes))
-        got: list[int] = []
+        parts: list[np.ndarray] = []
         for lo, hi in ((0, min(16, end)), (16, end)):  # the first few, then the rest
             if lo >= hi:
                 break
             part = self.block_of.get(np.asarray(hashes[lo:hi], dtype=np.uint64))
             miss = np.flatnonzero(part < 0)
-            got += part[: miss[0] if len(miss) else hi - lo].tolist()
+            parts.append(part[: miss[0] if len(miss) else hi - lo])
             if len(miss):
                 break
-        return got
+        arr = (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts
+               else np.zeros(0, dtype=np.int64)).astype(np.int64, copy=False)
+        return hashes, limit, self.version, arr.tolist(), arr
 
     def free_of(self, blocks: list[int]) -> list[int]:
         """Those of `blocks` (cache hits) that no request holds: they wait in the free queue."""
         if not blocks:
             return []
-        arr = np.array(blocks, dtype=np.int64)
-        return arr[self.queue.lru.mask(arr)].tolist()  # type: ignore[no-any-return]
+        arr = self._array(blocks)
+        free = arr[self.queue.lru.mask(arr)]
+        out: list[int] = free.tolist()
+        self._arrays = (out, free)
+        return out
 
     def free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left once `blocks` (cache hits) are taken out of the queue."""
@@ -680,9 +694,9 @@ class BlockPool:
         if not blocks:
             return
         lru, ref = self.queue.lru, self.ref
-        arr = np.array(blocks, dtype=np.int64)
+        arr = self._array(blocks)
         free = lru.mask(arr)
-        if free.all() and len(np.unique(arr)) == len(arr):
+        if free.all() and self._distinct(arr):
             # the usual case, distinct free blocks (no holder): out of the queue, one holder
             lru.remove(arr)
             ref[arr] = 1
@@ -1107,6 +1121,8 @@ class DecodeInstance(Instance):
         # the macro-step under way: when its first step starts, when each step ends (from
         # then), the steps at which its requests take a block (sorted); see `_in_flight`
         self.plan: tuple[float, list[float], list[int]] | None = None
+        # `_fit`'s crossings per running request, for `grow` at the macro-step's end
+        self._per: tuple[list[SimRequest], int, list[tuple[int, list[int]]]] | None = None
         self.reader = simpy.Resource(sim.env, capacity=1)
         self.admit_wake = sim.env.event()
         sim.env.process(self.admit_loop())
@@ -1509,6 +1525,13 @@ class DecodeInstance(Instance):
         first = max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
         return list(range(first, steps + 1, bs)[:final - held])
 
+    def _next_takes(self, r: SimRequest) -> int:
+        """1 when `r`'s next step needs a new block (`_crossings(r, 1)` not empty), else 0."""
+        bs = self.layout.block_size
+        held = self.held.get(r.id, 0)
+        return int(held * bs <= r.prompt + r.done_tokens
+                   and held < -(-(r.prompt + r.output) // bs))
+
     def make_room(self) -> None:
         """vLLM's step, running requests first, in order: each gets the block its next token
         needs; when the pool has none (after evicting retained KV, oldest first), the last
@@ -1518,7 +1541,7 @@ class DecodeInstance(Instance):
         pool, need, i = self.pool, 0, 0
         while i < len(self.running):
             r = self.running[i]
-            n = len(self._crossings(r, 1))
+            n = self._next_takes(r)
             while need + n > pool.free:
                 if self.retained:
                     lease, _ = self.retained.popitem(last=False)
@@ -1536,10 +1559,17 @@ class DecodeInstance(Instance):
         """At most `k` steps, no more than the pool's free blocks can serve (the step that
         would need one more ends the macro-step, and `make_room` preempts at its start), and
         the steps at which they take a block."""
-        steps = sorted(s for r in self.running for s in self._crossings(r, k))
+        per = []  # (index in the running batch, its crossings), kept for `grow`
+        for i, r in enumerate(self.running):
+            c = self._crossings(r, k)
+            if c:
+                per.append((i, c))
+        self._per = (self.running, len(self.running), per)
+        steps = sorted(itertools.chain.from_iterable(c for _, c in per))
         if len(steps) > self.pool.free:
             k = steps[self.pool.free] - 1  # make_room left every step-1 block free: k >= 1
-        return k, [s for s in steps if s <= k]
+            return k, steps[:bisect.bisect_right(steps, k)]
+        return k, steps
 
     def _in_flight(self) -> int:
         """Blocks the macro-step under way has taken by now in vLLM's terms (every step begun
@@ -1553,21 +1583,25 @@ class DecodeInstance(Instance):
     def grow(self, steps: int) -> None:
         """The running requests' output blocks, taken as their tokens cross block boundaries
         over `steps` steps, in the order the steps cross them (so requests interleave)."""
-        pool = self.pool
-        crossings = [(i, k, r) for k, r in enumerate(self.running)
-                     for i in self._crossings(r, steps)]
+        pool, running = self.pool, self.running
+        planned, self._per = self._per, None
+        if planned is not None and planned[0] is running and planned[1] == len(running):
+            per = planned[2]  # `_fit`'s crossings (up to at least `steps`): the batch is as it was
+        else:
+            per = [(k, self._crossings(r, steps)) for k, r in enumerate(running)]
+        crossings = [(i, k) for k, c in per for i in c[:bisect.bisect_right(c, steps)]]
         self.plan = None
         if not crossings:
             return
-        crossings.sort(key=lambda c: (c[0], c[1]))
-        got: dict[str, list[int]] = {}
+        crossings.sort()  # by step, then by place in the batch
+        got: dict[int, list[int]] = {}
         taken = pool.take(len(crossings))
         assert taken is not None, "decode growth found fewer free blocks than it planned"
-        for (_, _, r), b in zip(crossings, taken, strict=True):
-            got.setdefault(r.id, []).append(b)
+        for (_, k), b in zip(crossings, taken, strict=True):
+            got.setdefault(k, []).append(b)
         allocations = []
-        for r in self.running:
-            new = got.get(r.id)
+        for k, r in enumerate(running):
+            new = got.get(k)
             if new:
                 self.held[r.id] = self.held.get(r.id, 0) + len(new)
                 allocations.append(D.Allocate(r.id, r.attempt, tuple(new)))
