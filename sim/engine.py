@@ -385,40 +385,100 @@ class LruRing:
         self.head, self.tail = 0, len(live)
 
 
+class IdDeque:
+    """Block ids in a ring buffer, taken from the front, added at either end: a run of ids costs
+    one array copy, however fragmented (a deque of runs cost a Python step per run, and a
+    decode pool's freed lists are runs of one or two blocks)."""
+
+    def __init__(self, n: int) -> None:
+        self.buf = np.arange(n, dtype=np.int32)  # every id free, in order
+        self.head = 0
+        self.count = n
+
+    def _read(self, start: int, m: int) -> np.ndarray:
+        cap = len(self.buf)
+        if m == 0:
+            return np.zeros(0, dtype=np.int64)
+        start %= cap
+        end = start + m
+        if end <= cap:
+            return self.buf[start:end].astype(np.int64)
+        return np.concatenate((self.buf[start:], self.buf[: end - cap])).astype(np.int64)
+
+    def _write(self, start: int, ids: np.ndarray) -> None:
+        cap, m = len(self.buf), len(ids)
+        start %= cap
+        end = start + m
+        if end <= cap:
+            self.buf[start:end] = ids
+        else:
+            self.buf[start:] = ids[: cap - start]
+            self.buf[: end - cap] = ids[cap - start:]
+
+    def ids(self) -> np.ndarray:
+        """Every id, front first."""
+        return self._read(self.head, self.count)
+
+    def popleft(self, m: int) -> np.ndarray:
+        out = self._read(self.head, m)
+        self.head = (self.head + m) % max(len(self.buf), 1)
+        self.count -= m
+        return out
+
+    def prepend(self, ids: np.ndarray) -> None:
+        """`ids` at the front, in their order (ids[0] first)."""
+        if len(ids):
+            self.head = (self.head - len(ids)) % len(self.buf)
+            self._write(self.head, ids)
+            self.count += len(ids)
+
+    def append(self, ids: np.ndarray) -> None:
+        if len(ids):
+            self._write(self.head + self.count, ids)
+            self.count += len(ids)
+
+
 class FreeBlockQueue:
-    """vLLM v1's queue of free blocks, kept as runs.
+    """vLLM v1's queue of free blocks.
 
     vLLM puts a freed block without a prefix-cache hash at the front and one with a hash at the
     back, and only hashed blocks are ever taken out of the middle (a cache hit). So the queue is
-    a deque of runs `(start, length, step)` (step +1 or -1) followed by the hashed blocks in
-    LRU order (`LruRing`); allocation pops runs first, then the least recently freed hashed
-    blocks.
+    the unhashed blocks in order (`IdDeque`) followed by the hashed blocks in LRU order
+    (`LruRing`); allocation takes the unhashed blocks first, then the least recently freed
+    hashed blocks.
     """
 
     def __init__(self, n: int) -> None:
-        self.runs: deque[tuple[int, int, int]] = deque([(0, n, 1)] if n else [])
-        self.in_runs = n
+        self.unhashed = IdDeque(n)
         self.lru = LruRing(n)
 
+    @property
+    def in_runs(self) -> int:
+        return self.unhashed.count
+
+    @property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """The unhashed blocks as runs `(start, length, step)`, front first (for inspection)."""
+        return self._as_runs(self.unhashed.ids())
+
     def __len__(self) -> int:
-        return self.in_runs + len(self.lru)
+        return self.unhashed.count + len(self.lru)
 
     def __contains__(self, block: int) -> bool:
         """Whether a hashed block is free (only hashed blocks are asked about)."""
         return bool(self.lru.pos[block] >= 0)
 
+    def popleft(self, n: int) -> np.ndarray:
+        """The first `n` blocks (n <= len), out of the queue."""
+        k = min(n, self.unhashed.count)
+        if k == n:
+            return self.unhashed.popleft(n)
+        if k == 0:
+            return self.lru.popleft(n)
+        return np.concatenate((self.unhashed.popleft(k), self.lru.popleft(n - k)))
+
     def popleft_n(self, n: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < n and self.runs:
-            start, length, step = self.runs.popleft()
-            k = min(length, n - len(out))
-            out.extend(range(start, start + step * k, step))
-            if k < length:
-                self.runs.appendleft((start + step * k, length - k, step))
-            self.in_runs -= k
-        if len(out) < n:
-            out.extend(self.lru.popleft(n - len(out)).tolist())
-        return out
+        return self.popleft(n).tolist()  # type: ignore[no-any-return]
 
     @staticmethod
     def _as_runs(blocks: list[int] | np.ndarray) -> list[tuple[int, int, int]]:
@@ -457,16 +517,14 @@ class FreeBlockQueue:
         return runs
 
     def prepend_n(self, blocks: list[int] | np.ndarray) -> None:
-        self.runs.extendleft(reversed(self._as_runs(blocks)))
-        self.in_runs += len(blocks)
+        self.unhashed.prepend(np.asarray(blocks, dtype=np.int64))
 
     def append_n(self, blocks: list[int] | np.ndarray) -> None:
         """Hashed blocks go to the LRU tail; others (the synthetic history's skips) end the runs."""
         self.lru.append(np.asarray(blocks, dtype=np.int64))
 
     def append_unhashed(self, blocks: list[int] | np.ndarray) -> None:
-        self.runs.extend(self._as_runs(blocks))
-        self.in_runs += len(blocks)
+        self.unhashed.append(np.asarray(blocks, dtype=np.int64))
 
     def remove(self, block: int) -> None:
         self.lru.remove(np.array([block], dtype=np.int64))
@@ -593,16 +651,12 @@ class BlockPool:
             return None
         if self.ring is not None:
             return self.ring.take(n, self.rng.geometric(1.0 / self.run_blocks, size=n))
+        arr = self.queue.popleft(n)
+        out = arr.tolist()
         if not self.prefix_caching:
             # no hashes and no sharing: a block's holder count is never asked (`give` frees
             # every block of a request whatever it says)
-            return tuple(self.queue.popleft_n(n))
-        if self.queue.runs:
-            out = self.queue.popleft_n(n)
-            arr = np.array(out, dtype=np.int64)
-        else:  # every free block waits in the cache's LRU: taken as an array
-            arr = self.queue.lru.popleft(n)
-            out = arr.tolist()
+            return tuple(out)
         self.ref[arr] = 1
         cached = arr[self.hashed[arr]]
         if len(cached):  # taking a cached block from the head evicts its hash

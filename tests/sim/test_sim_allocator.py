@@ -170,3 +170,34 @@ def test_runs_cut_in_one_pass_equal_the_walk() -> None:
         if rng.random() < 0.5:
             ids = list(dict.fromkeys(ids))  # distinct
         assert FreeBlockQueue._as_runs(ids) == FreeBlockQueue._as_runs_walk(ids)
+
+
+def test_the_free_queue_keeps_order_as_a_list_does() -> None:
+    """Random takes, frees to the front and to the back (the ring wrapping round, nearly
+    empty and full queues) against a plain list of the unhashed free blocks."""
+    import numpy as np
+
+    from kvplane.sim.engine import FreeBlockQueue
+
+    rng = np.random.default_rng(3)
+    n = 50
+    q, ref, held = FreeBlockQueue(n), list(range(n)), []
+    for _ in range(3000):
+        if ref and rng.random() < 0.5:
+            k = int(rng.integers(0, len(ref) + 1))
+            assert q.popleft_n(k) == ref[:k]
+            held += ref[:k]
+            ref = ref[k:]
+        elif held:
+            k = int(rng.integers(1, len(held) + 1))
+            order = [int(i) for i in rng.permutation(len(held))]
+            back = [held[i] for i in order[:k]]
+            held = [held[i] for i in order[k:]]
+            if rng.random() < 0.5:
+                q.prepend_n(back)
+                ref = back + ref
+            else:
+                q.append_unhashed(back)
+                ref = ref + back
+        assert len(q) == len(ref) == q.in_runs
+        assert [b for s, m, st in q.runs for b in range(s, s + st * m, st)] == ref
