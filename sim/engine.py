@@ -217,6 +217,7 @@ class HashIndex:
 
     _MIX = np.uint64(0x9E3779B97F4A7C15)
     _EMPTY, _GONE = -1, -2  # `vals` of a free slot and of a removed entry
+    _WINDOW = 8  # slots a lookup that missed its home slot reads per round
 
     def __init__(self, n: int) -> None:
         self.bits = max(int(4 * max(n, 1) - 1).bit_length(), 4)
@@ -239,19 +240,27 @@ class HashIndex:
         keys, vals = self.keys, self.vals
         v = vals[idx]
         hit = (keys[idx] == hs) & (v >= 0)
+        settled = hit | (v == self._EMPTY)
         # the usual case: every key settled at its home slot (found there, or the slot empty)
-        if (hit | (v == self._EMPTY)).all():
+        if settled.all():
             return np.where(hit, idx, -1)
-        out = np.full(len(hs), -1, dtype=np.int64)
-        todo = np.arange(len(hs))
+        # the rest scan the next `_WINDOW` slots of their probe run at once, round after
+        # round: a key stops at its own live slot (found) or at an empty one (absent)
+        out = np.where(hit, idx, -1)
+        todo = np.flatnonzero(~settled)
         mask = len(keys) - 1
-        want = hs
+        pos, want = (idx[todo] + 1) & mask, hs[todo]
+        ahead = np.arange(self._WINDOW)
         while len(todo):
-            hit = (keys[idx] == want) & (v >= 0)
-            out[todo[hit]] = idx[hit]
-            go = ~hit & (v != self._EMPTY)
-            todo, idx, want = todo[go], (idx[go] + 1) & mask, want[go]
-            v = vals[idx]
+            win = (pos[:, None] + ahead) & mask
+            v = vals[win]
+            hit = (keys[win] == want[:, None]) & (v >= 0)
+            stop = hit | (v == self._EMPTY)
+            rows, first = np.arange(len(todo)), stop.argmax(axis=1)
+            found = hit[rows, first]
+            out[todo[found]] = win[rows, first][found]
+            go = ~stop[rows, first]
+            todo, pos, want = todo[go], (pos[go] + self._WINDOW) & mask, want[go]
         return out
 
     def get(self, hs: np.ndarray) -> np.ndarray:
