@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -88,11 +87,12 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
             followers.setdefault(q.previous, []).append(q)
 
     def make(q: Request) -> SimRequest:
-        hashes = q.block_hashes(block_size)
         retained = None
-        if q.conversation is not None:
-            whole = replace(q, prompt_tokens=q.prompt_tokens + q.output_tokens)
-            retained = whole.block_hashes(block_size)
+        if q.conversation is not None:  # the prompt's hashes lead those of prompt + output
+            retained = q.block_hashes(block_size, q.prompt_tokens + q.output_tokens)
+            hashes = retained[: q.prompt_tokens // block_size]
+        else:
+            hashes = q.block_hashes(block_size)
         r = SimRequest(ids[q.rid] if ids else q.request_id, env.now, q.prompt_tokens,
                        q.output_tokens,
                        conversation=(conversations[q.rid] if conversations
