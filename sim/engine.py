@@ -646,6 +646,7 @@ class BlockPool:
         self.version = 0  # changes whenever `block_of` does
         self._hits_memo: tuple[Any, int, int, list[int], np.ndarray] | None = None
         self._arrays: tuple[list[int], np.ndarray] | None = None  # a list and its array
+        self._last_hits: tuple[np.ndarray, np.ndarray] | None = None  # hashes, their blocks
         self._mark: np.ndarray | None = None  # scratch for `_distinct`, made when first used
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
@@ -726,17 +727,34 @@ class BlockPool:
     def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int
               ) -> tuple[Any, int, int, list[int], np.ndarray]:
         end = min(limit, len(hashes))
+        hs = np.asarray(hashes[:end], dtype=np.uint64)
         parts: list[np.ndarray] = []
-        for lo, hi in ((0, min(16, end)), (16, end)):  # the first few, then the rest
+        # Requests sharing a prefix ask about the same leading hashes: the blocks the last
+        # answer found for them still hold them while each is hashed with that very hash
+        # (`hashed`, `hash_of`: a block has one hash, a hash one block), checked here on the
+        # pool's arrays instead of probing the map; probing resumes at the first that does not
+        k = 0
+        last = self._last_hits
+        if last is not None and len(last[1]) and end:
+            n = min(len(last[1]), end)
+            same = hs[:n] == last[0][:n]
+            n = n if same.all() else int(np.argmin(same))
+            if n:
+                b = last[1][:n]
+                ok = self.hashed[b] & (self.hash_of[b] == hs[:n])
+                k = n if ok.all() else int(np.argmin(ok))
+                parts.append(b[:k])
+        for lo, hi in ((k, min(k + 16, end)), (k + 16, end)):  # the first few, then the rest
             if lo >= hi:
                 break
-            part = self.block_of.get(np.asarray(hashes[lo:hi], dtype=np.uint64))
+            part = self.block_of.get(hs[lo:hi]).astype(np.int64, copy=False)
             miss = np.flatnonzero(part < 0)
             parts.append(part[: miss[0] if len(miss) else hi - lo])
             if len(miss):
                 break
         arr = (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts
-               else np.zeros(0, dtype=np.int64)).astype(np.int64, copy=False)
+               else np.zeros(0, dtype=np.int64))
+        self._last_hits = (hs[: len(arr)], arr)
         return hashes, limit, self.version, arr.tolist(), arr
 
     def free_of(self, blocks: list[int]) -> list[int]:

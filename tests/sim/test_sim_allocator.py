@@ -201,3 +201,38 @@ def test_the_free_queue_keeps_order_as_a_list_does() -> None:
                 ref = ref + back
         assert len(q) == len(ref) == q.in_runs
         assert [b for s, m, st in q.runs for b in range(s, s + st * m, st)] == ref
+
+
+def test_prefix_hits_reuse_the_last_answer_only_where_it_still_holds() -> None:
+    """`BlockPool.hits` (which re-checks the last answer's blocks on the pool's arrays before
+    probing the map) against a probe of every hash, while prompts sharing prefixes are
+    admitted, cached, freed and evicted."""
+    import numpy as np
+
+    from kvplane.sim.engine import BlockPool
+
+    rng = np.random.default_rng(7)
+    pool = BlockPool(120, None, 0, prefix_caching=True)
+    stems = [rng.integers(1, 2**62, size=40, dtype=np.uint64) for _ in range(3)]
+    held: list[tuple[int, ...]] = []
+    for _ in range(400):
+        stem = stems[int(rng.integers(0, 3))]
+        cut = int(rng.integers(0, 41))
+        hashes = np.concatenate((stem[:cut], rng.integers(1, 2**62, size=int(rng.integers(0, 20)),
+                                                          dtype=np.uint64)))
+        limit = int(rng.integers(0, len(hashes) + 1))
+        want = []
+        for h in hashes[:limit].tolist():
+            b = int(pool.block_of.get(np.array([h], dtype=np.uint64))[0])
+            if b < 0:
+                break
+            want.append(b)
+        assert pool.hits(hashes, limit) == want
+        n = len(hashes)
+        if n and pool.free >= n and not (set(want) & {b for t in held for b in t}):
+            pool.touch(pool.free_of(want))
+            blocks = (*want, *pool.take(n - len(want)))
+            pool.cache(hashes, blocks)
+            held.append(blocks)
+        if held and rng.random() < 0.5:
+            pool.give(held.pop(int(rng.integers(0, len(held)))))
