@@ -809,6 +809,14 @@ class BlockPool:
         # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
         # cached yet: the prefix cache is asked about the first kind only
         at = np.flatnonzero(~hashed[arr])
+        # leading hashes the last prefix-cache answer holds (re-checked as in `_hits`) are
+        # cached: only the others are probed
+        last = self._last_hits
+        k = min(len(last[1]), m) if last is not None else 0
+        if last is not None and k and len(at):
+            b = last[1][:k]
+            held = (hs_all[:k] == last[0][:k]) & hashed[b] & (self.hash_of[b] == hs_all[:k])
+            at = at[(at >= k) | ~held[np.minimum(at, k - 1)]]
         at = at[block_of.get(hs_all[at]) < 0]
         hs, bs = hs_all[at], arr[at]
         self.version += 1
