@@ -12,6 +12,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -150,10 +151,24 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
         streamed = StreamingSummary(cfg.decode_layout.block_size)
         sim.sink = streamed.add
     all_done = feed(sim, batch, cfg.decode_layout.block_size, start=begin)
-    if run is None:
-        sim.env.run(until=all_done)
-    else:
-        run(sim, all_done, len(batch))
+    # What exists now (modules, the simulation, the workload) lives as long as the run: the
+    # cyclic garbage collector need not walk it again at every full collection. The run makes
+    # and drops many small objects (events, commands) that reference counting frees: the
+    # young generation is collected less often (measured: a third of the collector's time).
+    frozen = gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(max(threshold[0], 20_000), *threshold[1:])
+    try:
+        if run is None:
+            sim.env.run(until=all_done)
+        else:
+            run(sim, all_done, len(batch))
+    finally:
+        gc.set_threshold(*threshold)
+        if frozen:
+            gc.unfreeze()
     simulated = sim.env.now - begin
     if drain:
         sim.drain()
