@@ -654,7 +654,9 @@ class BlockPool:
 
     @property
     def free(self) -> int:
-        return len(self.queue) if self.ring is None else self.ring.count
+        if self.ring is not None:
+            return self.ring.count
+        return self.queue.unhashed.count + self.queue.lru.count
 
     def take(self, n: int) -> tuple[int, ...] | None:
         if n > self.free:
@@ -1628,16 +1630,19 @@ class DecodeInstance(Instance):
         the one preempted (vLLM's FCFS policy; prefix-cached free blocks count as free).
         Requests computing a local prefill joined the running list last: they go first."""
         pool, need, i = self.pool, 0, 0
+        free = pool.free  # read again whenever a release or a preemption gives blocks back
         while i < len(self.running):
             r = self.running[i]
             n = self._next_takes(r)
-            while need + n > pool.free:
+            while need + n > free:
                 if self.retained:
                     lease, _ = self.retained.popitem(last=False)
                     self.do(Release(lease, "evicted under memory pressure"))
+                    free = pool.free
                     continue
                 victim = self.prefilling[-1].r if self.prefilling else self.running[-1]
                 self.preempt(victim)
+                free = pool.free
                 if victim is r:
                     break
             else:
