@@ -647,6 +647,9 @@ class BlockPool:
         self._hits_memo: tuple[Any, int, int, list[int], np.ndarray] | None = None
         self._arrays: tuple[list[int], np.ndarray] | None = None  # a list and its array
         self._last_hits: tuple[np.ndarray, np.ndarray] | None = None  # hashes, their blocks
+        # large takes' arrays by the id of the tuple handed out (the tuple is kept with it,
+        # so the id stays its own), for `give`; bounded, cleared when full
+        self._taken: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
         self._mark: np.ndarray | None = None  # scratch for `_distinct`, made when first used
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
@@ -675,7 +678,12 @@ class BlockPool:
             self.version += 1
             self.hashed[cached] = False
             self.block_of.remove(self.hash_of[cached])
-        return tuple(out)
+        got = tuple(out)
+        if n >= 64:  # a prompt's blocks, most often given back as they are: keep the array
+            if len(self._taken) >= 256:
+                self._taken.clear()
+            self._taken[id(got)] = (got, arr)
+        return got
 
     def give(self, blocks: tuple[int, ...]) -> None:
         """Free a request's blocks, tail first."""
@@ -683,7 +691,11 @@ class BlockPool:
             self.ring.append(blocks)
             return
         ref, hashed = self.ref, self.hashed
-        rev = np.array(blocks[::-1], dtype=np.int64)
+        kept = self._taken.pop(id(blocks), None)
+        if kept is not None and kept[0] is blocks:
+            rev = kept[1][::-1]
+        else:
+            rev = np.array(blocks[::-1], dtype=np.int64)
         if not self.prefix_caching:  # no hashes, no sharing (see `take`): all to the front
             front, back = rev, rev[:0]
         elif (ref[rev] <= 1).all():
