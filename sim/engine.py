@@ -1552,24 +1552,25 @@ class DecodeInstance(Instance):
                 durations = [d if i == 0 and fresh else self.sim.hop(d, "decode_step")
                              for i, d in enumerate(durations)]
             start = env.now
-            self.plan = (start + stall, list(itertools.accumulate(durations)), crossings)
+            # each step's end from the first's start: `ends[-1]` is `sum(durations)`, bit
+            # for bit (the same additions in the same order)
+            ends = list(itertools.accumulate(durations))
+            self.plan = (start + stall, ends, crossings)
             if self.preempted_in_step:
                 self.admit_after = start + stall + durations[0]
                 self.preempted_in_step = False
             self._rearm()
-            timer = env.timeout(stall + sum(durations))
+            timer = env.timeout(stall + ends[-1])
             yield timer | self.wake
             steps = k
             if not timer.processed:
-                # woken early: finish the step in progress, then let the batch change
-                acc, steps = 0.0, 0
-                while steps < k:
-                    acc += durations[steps]
-                    steps += 1
-                    if start + stall + acc >= env.now:
-                        break
-                if start + stall + acc > env.now:
-                    yield env.timeout(start + stall + acc - env.now)
+                # woken early: finish the step in progress (the first to end now or later),
+                # then let the batch change
+                now, base = env.now, start + stall
+                steps = min(bisect.bisect_left(ends, now, key=lambda e: base + e) + 1, k)
+                acc = ends[steps - 1]
+                if base + acc > now:
+                    yield env.timeout(base + acc - now)
             self._advance(steps, durations, stall, start)
             self._advance_chunks(chunks)
 
