@@ -100,6 +100,17 @@ class Notify:
 
 
 @dataclass(frozen=True, slots=True)
+class NotifyMany:
+    """A push's completion notifications arriving together (its streams ended at one
+    instant), one `Notify` per (src_rank, dst_rank) pair: the same events, in the same order,
+    as the `Notify`s one by one; a stream the wait does not expect refuses them all."""
+
+    request: str
+    attempt: int
+    pairs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PullDone:
     request: str
     attempt: int
@@ -160,7 +171,8 @@ class Tick:
 
 
 DecodeCommand = (
-    ExpectKV | Notify | PullDone | KVFailed | Allocate | AllocateMany | Abort | Finish | Tick
+    ExpectKV | Notify | NotifyMany | PullDone | KVFailed | Allocate | AllocateMany | Abort | Finish
+    | Tick
     | LeaseCommand
 )
 
@@ -248,6 +260,8 @@ class DecodeCore(Machine[DecodeCommand]):
             return self.leases.decide(cmd, now)
         if isinstance(cmd, AllocateMany):
             return self._allocate_many(cmd, now)
+        if isinstance(cmd, NotifyMany):  # allowed in every phase, as `Notify` is
+            return self._notify_many(cmd, now)
         return self._dispatch(TABLE, self.phase(cmd.request, cmd.attempt), cmd, now)
 
     def _tick(self, now: float) -> list[Event]:
@@ -373,6 +387,36 @@ class DecodeCore(Machine[DecodeCommand]):
             )
             if e.phase == "aborting":
                 out += self._free(now, key, "aborted; transfer drained")
+        return out
+
+    def _notify_many(self, cmd: NotifyMany, now: float) -> list[Event]:
+        # `_notify` for each pair, against the state the earlier pairs' events leave: the
+        # wait ends at the last expected stream (its KV is received; an aborted attempt's
+        # blocks are freed); every pair after it is a repeat, as `_notify` finds it
+        key = (cmd.request, cmd.attempt)
+        e = self.entries.get(key)
+        waiting = e is not None and e.mode == "push" and e.phase in ("awaiting_kv", "aborting")
+        received: set[tuple[int, int]] = set()
+        if e is not None and waiting:
+            unexpected = [p for p in cmd.pairs if p not in e.expected]
+            if unexpected:
+                raise PeerError(f"{cmd.request}: notification from stream {unexpected[0]}, "
+                                f"expected {sorted(e.expected)}")
+            received = set(e.received)
+        out: list[Event] = []
+        for pair in cmd.pairs:
+            dup = not waiting or pair in received
+            out.append(NotificationReceived(
+                at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt,
+                src_rank=pair[0], dst_rank=pair[1], duplicate=dup))
+            if dup or e is None:
+                continue
+            received.add(pair)
+            if len(received) == len(e.expected):
+                out.append(KVReceived(at=now, instance=self.instance, request=cmd.request,
+                                      attempt=cmd.attempt, num_tokens=e.num_tokens))
+                if e.phase == "aborting":
+                    out += self._free(now, key, "aborted; transfer drained")
         return out
 
     def _pull_done(self, cmd: PullDone, now: float) -> list[Event]:

@@ -196,6 +196,12 @@ def _fan_out(src: KVLayout, dst: KVLayout) -> tuple[Any, ...]:
     return tuple(fan_out(src, dst))
 
 
+@functools.lru_cache(maxsize=64)
+def _streams(src: KVLayout, dst: KVLayout) -> tuple[tuple[int, int], ...]:
+    """The (src_rank, dst_rank) pairs of the fan-out's streams, in its order."""
+    return tuple((s.src_rank, s.dst_rank) for s in _fan_out(src, dst))
+
+
 def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     """The core's block-hash chain (strings) from the workload's per-block uint64 hashes."""
     if hashes is None:
@@ -1426,10 +1432,10 @@ class DecodeInstance(Instance):
 
     def on_notifications(self, r: SimRequest) -> None:
         pf = self.sim.prefills[r.prefill]
-        for s in _fan_out(pf.layout, self.layout):
-            for e in self.do(D.Notify(r.id, 0, s.src_rank, s.dst_rank)):
-                if isinstance(e, KVReceived):
-                    self.kv_ready(r)
+        # every stream's notification, in the fan-out's order, as one core call
+        for e in self.do(D.NotifyMany(r.id, 0, _streams(pf.layout, self.layout))):
+            if isinstance(e, KVReceived):
+                self.kv_ready(r)
 
     def kv_ready(self, r: SimRequest) -> None:
         """The KV is in decode's blocks. vLLM learns it from the worker's finished receives
