@@ -463,9 +463,9 @@ class FreeBlockQueue:
     hashed blocks.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, hashed: int | None = None) -> None:
         self.unhashed = IdDeque(n)
-        self.lru = LruRing(n)
+        self.lru = LruRing(n if hashed is None else hashed)  # room for `hashed` blocks
 
     @property
     def in_runs(self) -> int:
@@ -638,12 +638,15 @@ class BlockPool:
             raise ValueError(f"block reuse must be 'lifo' or 'fifo', not {reuse!r}")
         self.reuse = reuse
         synthetic = run_blocks is not None and not prefix_caching
-        self.queue = FreeBlockQueue(0 if synthetic else n)
+        # without prefix caching no block is ever hashed or shared: the LRU of hashed blocks,
+        # the hash table and the per-block arrays below stay empty (a cluster's decode pools
+        # would otherwise fill hundreds of MiB they never read)
+        m = n if prefix_caching else 0
+        self.queue = FreeBlockQueue(0 if synthetic else n, hashed=m)
         self.capacity = n
         self.run_blocks = run_blocks
         self.rng = np.random.default_rng(seed)
         self.prefix_caching = prefix_caching
-        m = 0 if synthetic else n
         self.ref = np.zeros(m, dtype=np.int32)  # block -> requests holding it
         self.block_of = HashIndex(m)  # prefix hash -> cached block
         self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
