@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from sys import getrefcount
 
 from .errors import PeerError, ProtocolError
 
@@ -31,12 +32,27 @@ def finite(value: float, what: str, *, minimum: float | None = 0.0) -> str | Non
 
 # Tuples of block ids found fine lately, by id; each is kept alive here so that its id stays
 # its own. A block list travels from a command to its plan, events and ledger as one tuple
-# (immutable), so it is checked once, not at every hop. Bounded: when full, the oldest goes
-# (first in, first out). Not cleared wholesale: a saturated prefill allocates a request's
-# blocks a hundred or more lists before it plans their transfer, and a wholesale clear made
-# the plan walk again a list checked at its allocation for about half of all requests.
+# (immutable), so it is checked once, not at every hop. When `_fine_room` more have come since
+# the last sweep, those no one else holds any more go (nothing can ask about them again), then
+# the oldest beyond `_FINE_CAP`. Lists still in use stay however many came after them: a
+# saturated prefill allocates a request's blocks some 400 lists before it plans their
+# transfer, and a memory that forgot by age made the plan walk those again.
 _FINE: dict[int, tuple[int, ...]] = {}
-_FINE_MAX = 256
+_FINE_ROOM = 256
+_FINE_CAP = 4096
+_fine_max = _FINE_ROOM
+
+
+def _remember(blocks: tuple[int, ...]) -> None:
+    global _fine_max
+    if len(_FINE) >= _fine_max:
+        for key in list(_FINE):
+            if getrefcount(_FINE[key]) == 2:  # this memory's reference and the call's own
+                del _FINE[key]
+        for key in list(_FINE)[:max(0, len(_FINE) - _FINE_CAP)]:
+            del _FINE[key]
+        _fine_max = len(_FINE) + _FINE_ROOM
+    _FINE[id(blocks)] = blocks
 
 
 def duplicates(blocks: Sequence[int]) -> str | None:
@@ -49,9 +65,7 @@ def duplicates(blocks: Sequence[int]) -> str | None:
     if blocks and min(blocks) < 0:
         return f"negative block id {min(blocks)}"
     if type(blocks) is tuple and len(blocks) > 8:
-        if len(_FINE) >= _FINE_MAX:
-            del _FINE[next(iter(_FINE))]
-        _FINE[id(blocks)] = blocks
+        _remember(blocks)
     return None
 
 

@@ -23,23 +23,47 @@ def test_a_tuple_found_fine_is_remembered_by_identity_not_by_value() -> None:
     assert not found_fine(list(fine))  # a list can change after its check: never remembered
 
 
-def test_the_memory_forgets_its_oldest_first_and_a_forgotten_list_is_walked_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty memory with small bounds: room for 16 between sweeps, 64 at most."""
     monkeypatch.setattr(checks, "_FINE", {})
-    size = checks._FINE_MAX
-    lists = [tuple(range(i * 1000, i * 1000 + 20)) for i in range(size + 10)]
-    for blocks in lists:
+    monkeypatch.setattr(checks, "_FINE_ROOM", 16)
+    monkeypatch.setattr(checks, "_FINE_CAP", 64)
+    monkeypatch.setattr(checks, "_fine_max", 16)
+
+
+def _list(i: int) -> tuple[int, ...]:
+    return tuple(range(i * 100, i * 100 + 20))
+
+
+@pytest.mark.usefixtures("memory")
+def test_lists_still_in_use_stay_known_however_many_came_after() -> None:
+    held = [_list(i) for i in range(40)]  # more than the room between sweeps
+    for blocks in held:
         assert duplicates(blocks) is None
-    assert len(checks._FINE) == size
-    # the newest `size` stay known (none was cleared along with the old), the first 10 went
-    assert all(found_fine(b) for b in lists[10:])
-    assert not any(found_fine(b) for b in lists[:10])
-    # a forgotten list is checked in full again, and a list with a repeat made after it (it
-    # may take the freed list's address) is refused
-    assert duplicates(lists[0]) is None and found_fine(lists[0])
-    del lists
-    for _ in range(size + 1):
-        bad = tuple(range(20)) + (5,)
-        assert duplicates(bad) == "block ids [5] appear more than once"
+    for i in range(40, 400):  # lists no one keeps: each is gone once checked
+        assert duplicates(_list(i)) is None
+    assert all(found_fine(b) for b in held)
+    assert len(checks._FINE) <= len(held) + checks._FINE_ROOM  # the dropped ones did go
+
+
+@pytest.mark.usefixtures("memory")
+def test_past_the_cap_the_oldest_go_and_a_forgotten_list_is_walked_again() -> None:
+    held = [_list(i) for i in range(100)]
+    for blocks in held:
+        assert duplicates(blocks) is None
+    assert len(checks._FINE) <= checks._FINE_CAP + checks._FINE_ROOM
+    assert not found_fine(held[0]) and found_fine(held[-1])
+    assert duplicates(held[0]) is None and found_fine(held[0])
+
+
+@pytest.mark.usefixtures("memory")
+def test_a_list_with_a_repeat_is_refused_whatever_the_memory_held_before() -> None:
+    # lists found fine and then dropped free their addresses; a list with a repeat made
+    # after them (it may take such an address) is still walked and refused
+    for i in range(200):
+        assert duplicates(_list(i)) is None
+    for _ in range(200):
+        bad = (*_list(7), 705)
+        assert duplicates(bad) == "block ids [705] appear more than once"
         assert not found_fine(bad)
