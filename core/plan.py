@@ -34,6 +34,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import compress, repeat
@@ -155,23 +156,21 @@ def _check_blocks(
         raise PeerError(f"destination offers {len(dst_blocks)} blocks of {dst_bs}, {n} needed")
 
 
+def _breaks(src: tuple[int, ...], dst: tuple[int, ...]) -> Iterator[bool]:
+    """For each block after the first: whether a run breaks before it (its ids are neither both
+    its predecessor's plus one nor both its predecessor's minus one). Iterators in C: no Python
+    work per block. A run never turns round: ids +1 then -1 would name a block twice, which
+    `_check_blocks` refuses."""
+    # the two steps' product is 1 exactly when both are +1 or both are -1 (integers)
+    return map(ne, map(mul, map(sub, src[1:], src), map(sub, dst[1:], dst)), repeat(1))
+
+
 def _break_list(src: tuple[int, ...], dst: tuple[int, ...], bs: int, n: int) -> list[int]:
     """Block indices (of the first `nb = ceil(n / bs)` blocks) before which a run breaks, in
-    order: where a block's ids are neither both its predecessor's plus one nor both its
-    predecessor's minus one (the two steps' product is 1 exactly then), plus one before a
-    partly filled last block that a descending run would otherwise take in. Iterators and list
-    compares in C: no Python work per block. A run never turns round: ids +1 then -1 would
-    name a block twice, which `_check_blocks` refuses."""
+    order: `_breaks`, plus one before a partly filled last block that a descending run would
+    otherwise take in."""
     nb = -(-n // bs)
-    src, dst = src[:nb], dst[:nb]
-    steps = list(map(sub, src[1:], src))
-    dst_steps = list(map(sub, dst[1:], dst))
-    if steps != dst_steps:
-        breaks = list(compress(range(1, nb), map(ne, map(mul, steps, dst_steps), repeat(1))))
-    elif steps.count(1) + steps.count(-1) == len(steps):
-        breaks = []  # the usual case: both sides step alike, by one (list compares in C)
-    else:  # both sides step alike: a run breaks where a step is not +1 or -1
-        breaks = list(compress(range(1, nb), map(ne, map(abs, steps), repeat(1))))
+    breaks = list(compress(range(1, nb), _breaks(src[:nb], dst[:nb])))
     if (nb * bs > n and nb > 1 and (not breaks or breaks[-1] != nb - 1)
             and src[nb - 1] == src[nb - 2] - 1):
         breaks.append(nb - 1)
