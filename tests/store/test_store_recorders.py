@@ -180,6 +180,46 @@ def test_batching_recorder_refuses_bad_events_at_the_call(store: EventStore) -> 
     assert list(store.events(run)) == [blocks(0), blocks(1)]
 
 
+def test_a_trusted_recorder_writes_the_same_rows(store: EventStore) -> None:
+    """`trusted=True` (the simulator's events) queues events and encodes them on the writer:
+    the stored rows are byte for byte those of the checking recorder, and read back alike."""
+    events = every_type_samples(3) + [
+        BlocksReserved(at=2.0, instance="d0", request="r", blocks=ids, purpose="decode")
+        for ids in (tuple(range(5000, 6024)), tuple(range(9000, 8000, -1)),
+                    (*range(100, 400), *range(70_000, 70_500)), (3,), ())]
+    runs = []
+    for trusted in (False, True):
+        run = store.create_run("sim", f"trusted={trusted}")
+        with BatchingRecorder(store, run, batch_size=7, trusted=trusted) as recorder:
+            for event in events:
+                recorder.record(event)
+        assert list(store.events(run)) == events
+        runs.append(run)
+    query = text("SELECT seq, time, type, request, instance, blocks, payload, lists "
+                 "FROM events WHERE run = :run ORDER BY seq")
+    with store.engine.connect() as conn:
+        checked, trusted = (conn.execute(query, {"run": r}).all() for r in runs)
+    assert checked == trusted and len(checked) == len(events)
+
+
+def test_a_trusted_recorder_stops_at_an_unfit_event_and_names_it(store: EventStore) -> None:
+    """A trusted recorder does not check at the call; the writer refuses the unfit event and
+    the recorder then fails like any failed write, saying which event and why."""
+    run = store.create_run("sim", "trusted-bad")
+    recorder = BatchingRecorder(store, run, batch_size=3, flush_interval=30, trusted=True)
+    for i in range(3):
+        recorder.record(blocks(i))
+    recorder.flush()
+    recorder.record(blocks(3))
+    recorder.record(bad_event())  # accepted at the call
+    with pytest.raises(RecorderError, match=r"after 3 events \(2 not written\).*"
+                                            r"event #4 \(BlocksReserved\).*purpose"):
+        recorder.flush()
+    with pytest.raises(RecorderError):
+        recorder.close()
+    assert list(store.events(run)) == [blocks(i) for i in range(3)]
+
+
 def test_batching_recorder_needs_a_real_run(store: EventStore) -> None:
     with pytest.raises(RunNotFound):
         BatchingRecorder(store, "no-such-run")
