@@ -431,7 +431,7 @@ def _int32s(values: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-_LIST_CACHE_SIZE = 4096  # lists of the requests in flight; the oldest is forgotten first
+_LIST_CACHE_SIZE = 2048  # lists of the requests in flight; the oldest is forgotten first
 _INTS_PIECE: dict[int, tuple[tuple[Any, ...], bytes]] = {}  # id(tuple) -> (tuple, piece)
 _TRUSTED_PIECE: dict[int, tuple[tuple[Any, ...], bytes]] = {}  # the same, never checked
 _STRS_JSON: dict[int, tuple[tuple[Any, ...], str]] = {}
@@ -457,6 +457,11 @@ def _trusted_piece(value: Any) -> bytes | None:
         return hit[1]
     if type(value) is not tuple:
         return None
+    if len(value) == 1:  # a decode step's new block: packed in one call, not kept
+        try:
+            return _ONE.pack(3, 4, value[0])
+        except struct.error:
+            return None
     piece = _pack_ints(value)
     return None if piece is None else _remember(_TRUSTED_PIECE, value, piece)
 
