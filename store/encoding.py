@@ -49,7 +49,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import struct
 import sys
 import types
@@ -328,7 +327,10 @@ def _pack_general(ids: tuple[int, ...]) -> bytes | None:
 
 def _piece(kind: int, body: bytes) -> bytes:
     if len(body) > _ZIP_OVER:
-        folded = zlib.compress(body, 1)
+        # level 1 with a 4 KB window and small hash tables: zlib's set-up (clearing tables
+        # sized for 32 KB windows) otherwise costs more than compressing a 2 KB body
+        squeeze = zlib.compressobj(1, zlib.DEFLATED, 12, 3)
+        folded = squeeze.compress(body) + squeeze.flush()
         if len(folded) < len(body):
             body, kind = folded, kind | _ZIP
     return _HEAD.pack(kind, len(body)) + body
@@ -377,31 +379,24 @@ def _pack_lanes(ids: Sequence[int], ids32: bytes) -> bytes:
         low[0::2] = lanes[0::4]
         low[1::2] = lanes[1::4]
         return _piece(4, ids32[:4] + low)
-    # far jumps: runs of consecutive ids where there are few, else the ids themselves
-    breaks = _breaks((steps ^ ones).to_bytes(4 * n, "little"), n)
-    if breaks is None:
+    # far jumps: runs of consecutive ids where there are few, else the ids themselves.
+    # A byte per lane, 1 where the step is not 1 (a break between two runs): the lane's four
+    # bytes folded into its low byte, taken, and made 0 or 1.
+    other = steps ^ ones
+    other |= other >> 16
+    other |= other >> 8
+    flags = other.to_bytes(4 * n, "little")[0::4].translate(_ONE_IF_NOT_ZERO)
+    if 2 * flags.count(1) >= n - 1:  # as many runs as half the ids: the ids themselves
         return _piece(1, ids32)
     runs: list[int] = []
     start = 0
-    for end in (*breaks, n):  # a run ends at each break (a step that is not 1)
-        runs += (ids[start], end - start + 1)
-        start = end + 1
+    for steps_of_one in map(len, flags.split(b"\x01")):  # one run per stretch of 1-steps
+        runs += (ids[start], steps_of_one + 1)
+        start += steps_of_one + 1
     return _piece(2, _int32s(runs))
 
 
-_NONZERO = re.compile(b"[^\\x00]+")
-
-
-def _breaks(zero_where_one: bytes, steps: int) -> list[int] | None:
-    """The indexes of the 32-bit lanes that are not zero (steps that are not 1), ascending;
-    None once the runs they make would be no shorter than the ids."""
-    found: set[int] = set()
-    most = steps // 2  # runs (two ints each) shorter than the ids: fewer than (steps+1)/2
-    for m in _NONZERO.finditer(zero_where_one):
-        found.update(range(m.start() // 4, (m.end() - 1) // 4 + 1))
-        if len(found) >= most:
-            return None
-    return sorted(found)
+_ONE_IF_NOT_ZERO = bytes([0] + [1] * 255)
 
 
 def _runs(ids: tuple[int, ...]) -> list[int]:
