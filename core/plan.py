@@ -7,6 +7,14 @@ Rules kept here:
 - A *run* is a maximal range of tokens contiguous on both sides. Adjacent blocks merge into one
   run; a fragmented pool yields many runs. The walk visits block boundaries only, so planning
   costs O(blocks), not O(tokens).
+- With equal block sizes, blocks whose ids *descend* by one on both sides also merge: vLLM frees
+  a request's blocks tail first, so a pool that has wrapped hands the next request descending
+  ids, and blocks `(p, d), (p-1, d-1), (p-2, d-2)` are the one range `[p-2, p] -> [d-2, d]` on
+  both sides. Blocks are independent, so the order a range is copied in does not matter: such a
+  run is stated as a plain ascending `Run` from its lowest block, and it pairs each token slot
+  with the same slot as per-block planning. A partly filled last block never joins a descending
+  run (the run would then claim its unused slots, beyond the request's tokens): it is a run of
+  its own. Unequal block sizes merge ascending ranges only.
 - Fan-out over tensor parallelism: KV heads are split evenly over a side's ranks (replicated
   when a side has more ranks than KV heads); a layout whose heads and ranks do not divide one
   another is refused when built (`ValueError`). Every head a consumer rank needs is written by the
@@ -30,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import compress, repeat
-from operator import add, ne, or_
+from operator import ne, or_, sub
 from typing import Any
 
 from .checks import duplicates, theirs
@@ -149,10 +157,25 @@ def _check_blocks(
 
 
 def _breaks(src: tuple[int, ...], dst: tuple[int, ...]) -> Iterator[bool]:
-    """For each block after the first: whether a run breaks before it (its id is not its
-    predecessor's plus one, on either side). Iterators in C: no Python work per block."""
-    return map(or_, map(ne, src[1:], map(add, src, repeat(1))),
-               map(ne, dst[1:], map(add, dst, repeat(1))))
+    """For each block after the first: whether a run breaks before it (its ids are neither both
+    its predecessor's plus one nor both its predecessor's minus one). Iterators in C: no Python
+    work per block. A run never turns round: ids +1 then -1 would name a block twice, which
+    `_check_blocks` refuses."""
+    ds = list(map(sub, src[1:], src))
+    dd = map(sub, dst[1:], dst)
+    return map(or_, map(ne, ds, dd), map(ne, map(abs, ds), repeat(1)))
+
+
+def _break_list(src: tuple[int, ...], dst: tuple[int, ...], bs: int, n: int) -> list[int]:
+    """Block indices (of the first `nb = ceil(n / bs)` blocks) before which a run breaks, in
+    order: `_breaks`, plus one before a partly filled last block that a descending run would
+    otherwise take in."""
+    nb = -(-n // bs)
+    breaks = list(compress(range(1, nb), _breaks(src[:nb], dst[:nb])))
+    if (nb * bs > n and nb > 1 and (not breaks or breaks[-1] != nb - 1)
+            and src[nb - 1] == src[nb - 2] - 1):
+        breaks.append(nb - 1)
+    return breaks
 
 
 def count_runs(
@@ -162,8 +185,7 @@ def count_runs(
     if src_bs != dst_bs:
         return len(merge_runs(src_blocks, src_bs, dst_blocks, dst_bs, n))
     _check_blocks(src_blocks, src_bs, dst_blocks, dst_bs, n)
-    nb = -(-n // src_bs)
-    return 0 if nb == 0 else 1 + sum(_breaks(src_blocks[:nb], dst_blocks[:nb]))
+    return 0 if n == 0 else 1 + len(_break_list(src_blocks, dst_blocks, src_bs, n))
 
 
 def merge_runs(
@@ -195,17 +217,18 @@ def merge_runs(
 def _merge_equal(
     src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...], bs: int, n: int
 ) -> tuple[Run, ...]:
-    """The common case, equal block sizes: a run breaks where either side's next block id is
-    not the previous one plus one. One pass over block pairs, a Run made per break only."""
+    """The common case, equal block sizes: a run breaks where the two sides' next block ids are
+    not both the previous ones plus one, nor both minus one (`_break_list`). One pass over block
+    pairs, a Run made per break only; a descending run starts at its last (lowest) block."""
     nb = -(-n // bs)
     if nb == 0:
         return ()
     src, dst = src_blocks[:nb], dst_blocks[:nb]
-    breaks = list(compress(range(1, nb), _breaks(src, dst)))
-    starts = [0, *breaks]
-    ends = [*breaks, nb]
-    runs = [Run(src[a] * bs, dst[a] * bs, (b - a) * bs) for a, b in zip(starts, ends)]
-    if runs and nb * bs > n:  # the last block is partly filled
+    breaks = _break_list(src, dst, bs, n)
+    runs = [Run(src[a] * bs, dst[a] * bs, (b - a) * bs) if src[b - 1] >= src[a] else
+            Run(src[b - 1] * bs, dst[b - 1] * bs, (b - a) * bs)
+            for a, b in zip([0, *breaks], [*breaks, nb])]
+    if nb * bs > n:  # the last block is partly filled: the last run ascends (or is that block)
         last = runs[-1]
         runs[-1] = Run(last.src_slot, last.dst_slot, last.tokens - (nb * bs - n))
     return tuple(runs)

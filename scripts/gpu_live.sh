@@ -71,7 +71,7 @@ install() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import vllm, torch, nixl; print('vllm', vllm.__version__, 'torch', \
 torch.__version__)"
-    ldd --version | head -1
+    ldd --version | sed -n 1p  # sed reads to the end: head could end ldd with SIGPIPE (pipefail)
   } 2>&1 | tee "$out/versions.txt"
 }
 

@@ -52,6 +52,47 @@ def test_partial_last_block_and_zero_tokens() -> None:
     assert merge_runs((), 16, (), 32, 0) == ()
 
 
+def test_blocks_descending_on_both_sides_merge_into_one_ascending_run() -> None:
+    # vLLM frees a request's blocks tail first: after the pool wraps, ids come back descending.
+    # (5, 9), (4, 8), (3, 7) is the one range [3, 5] -> [7, 9] on both sides
+    assert merge_runs((5, 4, 3), 16, (9, 8, 7), 16, 48) == (Run(48, 112, 48),)
+    assert count_runs((5, 4, 3), 16, (9, 8, 7), 16, 48) == 1
+    # a descending range, then an ascending one, then a lone block
+    runs = merge_runs((5, 4, 3, 10, 11, 30), 16, (9, 8, 7, 1, 2, 0), 16, 96)
+    assert runs == (Run(48, 112, 48), Run(160, 16, 32), Run(480, 0, 16))
+    assert count_runs((5, 4, 3, 10, 11, 30), 16, (9, 8, 7, 1, 2, 0), 16, 96) == 3
+
+
+def test_descending_on_one_side_only_does_not_merge() -> None:
+    assert merge_runs((5, 4), 16, (7, 8), 16, 32) == (Run(80, 112, 16), Run(64, 128, 16))
+    assert merge_runs((5, 6), 16, (8, 7), 16, 32) == (Run(80, 128, 16), Run(96, 112, 16))
+    # descending by more than one block is a gap, not a range
+    assert count_runs((5, 3), 16, (9, 7), 16, 32) == 2
+
+
+def test_partly_filled_last_block_never_joins_a_descending_run() -> None:
+    # 40 tokens: blocks 5 and 4 full, block 3 holds 8 tokens. Merged, the run would start at
+    # block 3 and claim its 8 unused slots: block 3 stays its own run of 8 tokens
+    runs = merge_runs((5, 4, 3), 16, (9, 8, 7), 16, 40)
+    assert runs == (Run(64, 128, 32), Run(48, 112, 8))
+    assert count_runs((5, 4, 3), 16, (9, 8, 7), 16, 40) == 2
+    # two blocks, the second partial: two runs
+    assert merge_runs((5, 4), 16, (9, 8), 16, 17) == (Run(80, 144, 16), Run(64, 128, 1))
+    # an ascending run keeps its partial last block (its unused slots lie past the run's end)
+    assert merge_runs((3, 4, 5), 16, (7, 8, 9), 16, 40) == (Run(48, 112, 40),)
+
+
+def test_unequal_block_sizes_merge_ascending_ranges_only() -> None:
+    # descending 16-token producer blocks into one 32-token consumer block: the consumer's
+    # slots ascend while the producer's jump back, so nothing is contiguous on both sides
+    assert merge_runs((1, 0), 16, (3,), 32, 32) == (Run(16, 96, 16), Run(0, 112, 16))
+    assert merge_runs((3, 2), 32, (5, 4), 32, 64) == (Run(64, 128, 64),)  # equal sizes merge
+    # both sides descend, blocks of 16 into blocks of 32: each 16-token piece is its own run
+    assert merge_runs((3, 2, 1, 0), 16, (5, 4), 32, 64) == (
+        Run(48, 160, 16), Run(32, 176, 16), Run(16, 128, 16), Run(0, 144, 16))
+    assert count_runs((1, 0), 16, (3,), 32, 32) == 2
+
+
 def test_too_few_blocks_is_the_peer_misbehaving() -> None:
     with pytest.raises(PeerError, match="source"):
         merge_runs((1,), 16, (1, 2), 16, 17)
@@ -79,6 +120,52 @@ def test_each_stream_names_where_its_heads_sit_on_both_ranks(heads: int, src_tp:
         d: list(dst.heads_of(d)) for d in range(dst_tp)}
 
 
+def _pool(data: st.DataObject, k: int) -> tuple[int, ...]:
+    """`k` distinct block ids the way a used pool hands them out: ranges of ids, each ascending
+    or descending (vLLM frees a request's blocks tail first), in any order."""
+    total = k + 6
+    cuts = sorted(data.draw(st.sets(st.integers(1, total - 1), max_size=total // 2)))
+    segs = [list(range(a, b)) for a, b in zip([0, *cuts], [*cuts, total])]
+    down = data.draw(st.lists(st.booleans(), min_size=len(segs), max_size=len(segs)))
+    order = data.draw(st.permutations(range(len(segs))))
+    ids = [b for i in order for b in (segs[i][::-1] if down[i] else segs[i])]
+    return tuple(ids[:k])
+
+
+def _check_runs(src: tuple[int, ...], src_bs: int, dst: tuple[int, ...], dst_bs: int,
+                n: int) -> tuple[Run, ...]:
+    """The runs pair exactly the token slots per-block planning pairs: token t of the request
+    from `src[t // src_bs] * src_bs + t % src_bs` to the same on `dst`, each token once, none
+    past `n`. Run by run in request order, each covers the next tokens (a descending range's
+    tokens in another order inside the run)."""
+    runs = merge_runs(src, src_bs, dst, dst_bs, n)
+    want = [
+        (src[t // src_bs] * src_bs + t % src_bs, dst[t // dst_bs] * dst_bs + t % dst_bs)
+        for t in range(n)
+    ]
+    t = 0
+    for r in runs:
+        assert r.tokens > 0
+        got = {(r.src_slot + i, r.dst_slot + i) for i in range(r.tokens)}
+        assert got == set(want[t:t + r.tokens])
+        t += r.tokens
+    assert t == n
+    if src_bs != dst_bs:  # ascending ranges only: two consecutive runs never continue
+        for a, b in itertools.pairwise(runs):  # each other on both sides
+            assert not (a.src_slot + a.tokens == b.src_slot
+                        and a.dst_slot + a.tokens == b.dst_slot)
+    elif n:  # maximal block by block: a run breaks only where the next block's ids are not
+        k = -(-n // src_bs)  # both +1 or both -1, or before a partly filled last block that
+        steps = [(s1 - s0, d1 - d0)  # would end a descending run
+                 for s0, s1, d0, d1 in zip(src[:k], src[1:k], dst[:k], dst[1:k])]
+        breaks = sum(1 for st_ in steps if st_ not in ((1, 1), (-1, -1)))
+        partial = k * src_bs > n and k > 1 and steps[-1] == (-1, -1)
+        assert len(runs) == 1 + breaks + partial
+    # the count a plan records without making the runs is their number
+    assert count_runs(src, src_bs, dst, dst_bs, n) == len(runs)
+    return runs
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     src_bs=st.sampled_from([1, 4, 16, 32]),
@@ -94,20 +181,31 @@ def test_runs_cover_every_token_exactly_once(
         ids = data.draw(st.permutations(range(k + 6)))
         return tuple(ids[:k])
 
-    src, dst = pool(src_bs), pool(dst_bs)
-    runs = merge_runs(src, src_bs, dst, dst_bs, n)
-    pairs = [(r.src_slot + i, r.dst_slot + i) for r in runs for i in range(r.tokens)]
-    want = [
-        (src[t // src_bs] * src_bs + t % src_bs, dst[t // dst_bs] * dst_bs + t % dst_bs)
-        for t in range(n)
-    ]
-    assert pairs == want
-    # maximal: two consecutive runs are never contiguous on both sides
-    for a, b in itertools.pairwise(runs):
-        assert not (a.src_slot + a.tokens == b.src_slot and a.dst_slot + a.tokens == b.dst_slot)
-    assert all(r.tokens > 0 for r in runs)
-    # the count a plan records without making the runs is their number
-    assert count_runs(src, src_bs, dst, dst_bs, n) == len(runs)
+    _check_runs(pool(src_bs), src_bs, pool(dst_bs), dst_bs, n)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    bs=st.sampled_from([1, 4, 16]),
+    n=st.integers(0, 200),
+    shift=st.integers(0, 40),
+    aligned=st.booleans(),
+    data=st.data(),
+)
+def test_runs_of_a_used_pool_cover_the_same_slot_pairs_as_per_block_planning(
+    bs: int, n: int, shift: int, aligned: bool, data: st.DataObject
+) -> None:
+    """Pools of ascending and descending ranges; `aligned`: the destination's ids follow the
+    source's (shifted), so descending ranges meet on both sides, as after a wrapped pool."""
+    k = -(-n // bs)
+    src = _pool(data, k)
+    dst = tuple(b + shift for b in src) if aligned else _pool(data, k)
+    runs = _check_runs(src, bs, dst, bs, n)
+    if aligned and n:
+        # every range of the source is one run, a partly filled last block apart
+        breaks = sum(1 for a, b in itertools.pairwise(src[:k]) if abs(b - a) != 1)
+        partial = k * bs > n and k > 1 and src[k - 1] == src[k - 2] - 1
+        assert len(runs) == 1 + breaks + partial
 
 
 # --- fan-out over tensor parallelism --------------------------------------------------------------

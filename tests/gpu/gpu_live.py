@@ -27,7 +27,6 @@ import copy
 import importlib.util
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -118,9 +117,7 @@ def only(evs: list[ev.Event], kind: type[ev.Event], **match: object) -> list[ev.
             and all(getattr(e, k) == v for k, v in match.items())]
 
 
-def prompt(seed: int, n: int = 150) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = _servers.prompt
 
 
 def transfer_times(evs: list[ev.Event]) -> dict[str, Any]:

@@ -29,32 +29,19 @@ the same arrival process; requests may overlap when the host is slow, in both.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
-import random
 import sqlite3
-import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
+import kvplane_live_servers as _servers
 
 HANDLE_KEY = "live-prediction-handle-key-0123456789ab"
 LEASE_TTL = 30.0
-
-
-def _load(name: str) -> ModuleType:
-    full = f"kvplane_live_{name}"
-    if full not in sys.modules:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None and spec.loader is not None
-        sys.modules[full] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[full]
 
 
 @dataclass(frozen=True)
@@ -81,15 +68,13 @@ WORKLOAD_B = Workload("B", "bidirectional", 48, (), first=100, turns=4, new_toke
 BLOCKS = 24  # alternating blocks per workload (A: 8 requests, B: 2 conversations each)
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = _servers.prompt
 
 
 def stream(client: httpx.Client, url: str, toks: list[int], max_tokens: int,
            conversation: str | None) -> tuple[str, list[int]]:
     """One streamed completion through the router: (its request id, output token ids)."""
-    rid, ids, _, _ = _load("servers").stream_completion(client, url, toks, max_tokens,
+    rid, ids, _, _ = _servers.stream_completion(client, url, toks, max_tokens,
                                                         conversation)
     if not ids or not rid:
         raise RuntimeError("no tokens or no request id came back")
@@ -215,29 +200,27 @@ def warm_up(cluster: Any, workloads: list[Workload]) -> None:
 
 def start(suite: str = "live-prediction") -> Any:
     """The cluster (no plain reference server): prefill, decode, the router on demand."""
-    servers = _load("servers")
-    servers.require_vllm()
-    model = _load("tiny_model").tiny_model_dir()
-    logs = servers.log_dir(suite)
+    _servers.require_vllm()
+    model = _servers.helper("tiny_model").tiny_model_dir()
+    logs = _servers.log_dir(suite)
     db = logs / "events.db"
     run_id = f"{suite}-{uuid.uuid4().hex[:8]}"
     cfg = {"kvplane_db": str(db), "kvplane_run": run_id, "kv_recompute_threshold": 64,
            "decoder_kv_blocks_ttl": LEASE_TTL}
     env = {"KVPLANE_HANDLE_KEY": HANDLE_KEY}
-    prefill = servers.VllmServer("prefill", model, logs, connector=dict(cfg), env=dict(env))
-    decode = servers.VllmServer("decode", model, logs, connector=dict(cfg), env=dict(env))
-    servers.start_all([prefill, decode])
+    prefill = _servers.VllmServer("prefill", model, logs, connector=dict(cfg), env=dict(env))
+    decode = _servers.VllmServer("decode", model, logs, connector=dict(cfg), env=dict(env))
+    _servers.start_all([prefill, decode])
     print(f"\nvLLM and router logs and events in {logs}")
-    return servers.PdCluster(prefill, decode, prefill,
-                             servers.RouterProcess(prefill, decode, db, run_id, logs,
+    return _servers.PdCluster(prefill, decode, prefill,
+                             _servers.RouterProcess(prefill, decode, db, run_id, logs,
                                                    handle_key=HANDLE_KEY),
                              db, run_id, logs)
 
 
 def stop(cluster: Any) -> None:
-    servers = _load("servers")
     cluster.router.stop()
-    servers.stop_all([cluster.prefill, cluster.decode])
+    _servers.stop_all([cluster.prefill, cluster.decode])
 
 
 def settle(db: Path, run_id: str, ids: list[str], timeout: float = 30.0) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -608,6 +609,13 @@ def settled(read: Callable[[], float], want: float, what: str = "metric",
             assert got == want, f"{what} is {got}, expected {want}"
             return got
         time.sleep(0.5)
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    """`n` token ids drawn from `seed`: a prompt no other seed repeats, inside the tiny model's
+    vocabulary and clear of its special ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
 
 
 def helper(name: str, path: Path | None = None) -> ModuleType:

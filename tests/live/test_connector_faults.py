@@ -17,7 +17,6 @@ pull through the same servers (the main live suite shows that equals a plain ser
 from __future__ import annotations
 
 import copy
-import random
 import threading
 import uuid
 from collections.abc import Iterator
@@ -44,9 +43,9 @@ DOOMED = "prefill-doomed"  # a second prefill, killed half-way
 
 
 
-def prompt(seed: int, n: int = 80) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+
+def prompt(seed: int) -> list[int]:
+    return _servers.prompt(seed, 80)
 
 
 @pytest.fixture(scope="module")

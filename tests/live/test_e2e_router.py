@@ -82,9 +82,7 @@ def cluster() -> Iterator[Cluster]:
 # ---- requests -----------------------------------------------------------------------------------
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = _servers.prompt
 
 
 def chat_text(seed: int, words: int) -> str:

@@ -23,7 +23,6 @@ Nothing asserts a duration; waits are for recorded state.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -75,9 +74,7 @@ def _both_stay_up(cluster: Any) -> Iterator[None]:
         assert s.alive(), f"{s.name} died:\n{s.log_tail()}"
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = _servers.prompt
 
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import random
 import socket
 import threading
 import time
@@ -68,9 +67,7 @@ def _both_stay_up(request: pytest.FixtureRequest) -> Iterator[None]:
         assert s.healthy(), f"{s.name} is not healthy:\n{s.log_tail()}"
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = _servers.prompt
 
 
 def post(url: str, body: dict[str, Any], path: str = "/v1/completions",

@@ -17,7 +17,6 @@ docs/measurements/gpu-live-h200/run2-tp-blocks-mla/).
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,9 +72,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 
-def prompt(seed: int, n: int = 100) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+prompt = _servers.prompt
 
 
 def test_the_instances_cache_one_latent_per_layer(cluster: Cluster) -> None:
@@ -96,7 +93,7 @@ def test_cpu_mla_decode_computes_its_prompt_and_matches_the_plain_server(cluster
     the plain server's. (The same model moves its latent token-exact on the H200.)"""
     client = PdClient(cluster.prefill, cluster.decode)
     for seed in (1, 2):
-        p = prompt(seed + 10 * len(mode))
+        p = prompt(seed + 10 * len(mode), 100)
         xfer = f"mla-{mode}-{seed}-{uuid.uuid4().hex[:6]}"
         if mode == "pull":
             _, d = client.pull(p, MAX_TOKENS, xfer=xfer)

@@ -11,7 +11,6 @@ groups is refused by name (unit test below, vLLM-free).
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,9 +63,9 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def prompt(seed: int, n: int = 4 * WINDOW) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
+
+def prompt(seed: int) -> list[int]:
+    return _servers.prompt(seed, 4 * WINDOW)
 
 
 @pytest.mark.live

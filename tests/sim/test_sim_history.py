@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvplane.core.events import Event, RequestArrived
+from kvplane.core.events import Event, RequestArrived, TransferPlanned
 from kvplane.core.replay import replay
 from kvplane.sim.config import Point, Scenario, scenario_from_data
 from kvplane.sim.runner import simulate
@@ -71,3 +71,28 @@ def test_the_point_runs_on_the_pool_the_history_left_and_counts_only_its_own() -
     # history and point together still satisfy every protocol invariant
     report = replay(log, final=True)
     assert report.ok, "\n".join(map(str, report.violations[:10]))
+
+
+def test_pools_wrapped_in_lockstep_hand_out_descending_ranges_that_move_as_one_run() -> None:
+    """Prefix caching off on both sides: both pools wrap under the history, and vLLM frees a
+    request's blocks tail first to the back of the queue, so the point's requests get
+    descending ids on prefill and on decode. A range descending by one on both sides is one
+    run (kvplane.core.plan), so the transfers stay a few runs long."""
+    data = {**DATA, "engine": {**DATA["engine"], "pool_history": "sweep"},
+            "connector": {"mode": "push", "prefix_caching": {"prefill": False, "decode": False}}}
+    log: list[Event] = []
+    _, warm = simulate(_last(scenario_from_data(data, file="<test>")), log.append)
+    steps: dict[tuple[int, int], int] = {}
+    planned = [e for e in log if isinstance(e, TransferPlanned)]
+    for e in planned:
+        nb = -(-e.num_tokens // 16)
+        for i in range(1, nb):
+            k = (e.src_blocks[i] - e.src_blocks[i - 1], e.dst_blocks[i] - e.dst_blocks[i - 1])
+            steps[k] = steps.get(k, 0) + 1
+    pairs = sum(steps.values())
+    assert len(planned) == 12 and steps[(-1, -1)] > pairs / 2  # mostly descending together
+    # each transfer's runs: one per break (neither both +1 nor both -1; the 4k prompts fill
+    # their last block), so a 256-block transfer is a handful of runs, not ~200
+    joined = steps[(-1, -1)] + steps.get((1, 1), 0)
+    assert sum(e.runs for e in planned) == len(planned) + pairs - joined
+    assert warm["mean_run_blocks"] > 4
