@@ -478,9 +478,12 @@ _Packed = TypeVar("_Packed", str, bytes)
 def _remember(cache: dict[int, tuple[tuple[Any, ...], _Packed]], value: tuple[Any, ...],
               packed: _Packed) -> _Packed:
     if len(cache) >= _LIST_CACHE_SIZE:
+        # the older half at once: a dict emptied one key at a time from its front is walked
+        # over its emptied slots by every `next(iter(...))`
         try:  # another recording thread may evict at the same moment: either one will do
-            cache.pop(next(iter(cache)), None)
-        except (RuntimeError, StopIteration):
+            for key in list(islice(cache, _LIST_CACHE_SIZE // 2)):
+                cache.pop(key, None)
+        except RuntimeError:
             pass
     cache[id(value)] = (value, packed)  # holding the tuple keeps its id from being reused
     return packed
