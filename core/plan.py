@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import compress, repeat
-from operator import ne, or_, sub
+from operator import mul, ne, sub
 from typing import Any
 
 from .checks import duplicates, theirs
@@ -161,9 +161,8 @@ def _breaks(src: tuple[int, ...], dst: tuple[int, ...]) -> Iterator[bool]:
     its predecessor's plus one nor both its predecessor's minus one). Iterators in C: no Python
     work per block. A run never turns round: ids +1 then -1 would name a block twice, which
     `_check_blocks` refuses."""
-    ds = list(map(sub, src[1:], src))
-    dd = map(sub, dst[1:], dst)
-    return map(or_, map(ne, ds, dd), map(ne, map(abs, ds), repeat(1)))
+    # the two steps' product is 1 exactly when both are +1 or both are -1 (integers)
+    return map(ne, map(mul, map(sub, src[1:], src), map(sub, dst[1:], dst)), repeat(1))
 
 
 def _break_list(src: tuple[int, ...], dst: tuple[int, ...], bs: int, n: int) -> list[int]:

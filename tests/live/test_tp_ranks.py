@@ -232,6 +232,43 @@ def test_ranks_and_block_sizes_move_every_token_to_its_place(
         dst.close()
 
 
+@pytest.mark.parametrize(("kind", "src_tp", "dst_tp", "bs", "op"), [
+    ("cpu", 1, 1, 32, "WRITE"),  # whole blocks
+    ("cpu", 2, 1, 32, "READ"),  # head slices
+    ("fa_hnd", 2, 4, 16, "WRITE"),  # K and V apart, head slices
+])
+def test_blocks_descending_on_both_sides_move_as_one_range(
+        kind: str, src_tp: int, dst_tp: int, bs: int, op: str) -> None:
+    """vLLM hands a request blocks in descending order once its pool has been reused: the core
+    plans a range descending on both sides as one ascending run, and a partly filled last
+    block as a run of its own; every token still lands in its place, nothing else is
+    written."""
+    import torch
+
+    n = 150  # the last block is partly filled
+    src = Side("src", kind, src_tp, bs, blocks=16)
+    dst = Side("dst", kind, dst_tp, bs, blocks=16)
+    try:
+        k = src.layout.blocks_for(n)
+        src_blocks = tuple(range(13, 13 - k, -1))  # 13, 12, ... descending
+        dst_blocks = tuple(range(15, 15 - k, -1))
+        plan = plan_transfer(src.layout, dst.layout, src_blocks, dst_blocks, n)
+        assert plan.run_count == 2  # the full blocks as one range, the partial block alone
+        width = 64 if kind == "mla" else 2 * HEAD_DIM
+        truth = torch.randn(LAYERS, src.layout.num_kv_heads, n, width,
+                            generator=torch.Generator().manual_seed(11))
+        src.fill(src_blocks, n, truth)
+        assert move(src, dst, src_blocks, dst_blocks, n, op) > 0
+        dst.check(dst_blocks, n, truth)
+        for caches, _, _ in dst.ranks:
+            for t in caches.values():
+                others = [b for b in range(t.shape[0]) if b not in dst_blocks]
+                assert not t[others].any()
+    finally:
+        src.close()
+        dst.close()
+
+
 def test_equal_geometry_moves_whole_blocks_in_few_runs() -> None:
     """Same TP, same block size: one run per layer for adjacent blocks, as before."""
     src = Side("src", "cpu", 1, 32, blocks=8)

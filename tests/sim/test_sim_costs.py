@@ -185,7 +185,8 @@ def test_descriptors_not_bytes_dominate_fragmented_transfers() -> None:
     assert merged.bytes_per_rank == scattered.bytes_per_rank == 512 * 2**20
     assert scattered.descriptors == 131072
     # the descriptors' posts, not the bytes, make up most of a scattered transfer
-    assert scattered.total_s - merged.total_s > 5 * merged.total_s
+    assert scattered.post_s > scattered.total_s / 2 > scattered.wire_s
+    assert scattered.total_s > 3 * merged.total_s
 
 
 def test_pull_stalls_the_engine_loop_push_does_not() -> None:
