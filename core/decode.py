@@ -31,7 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Literal
+from itertools import chain
+from typing import Any, Literal
 
 from .checks import duplicates, finite, ours, theirs
 from .errors import PeerError, ProtocolError
@@ -99,6 +100,17 @@ class Notify:
 
 
 @dataclass(frozen=True, slots=True)
+class NotifyMany:
+    """A push's completion notifications arriving together (its streams ended at one
+    instant), one `Notify` per (src_rank, dst_rank) pair: the same events, in the same order,
+    as the `Notify`s one by one; a stream the wait does not expect refuses them all."""
+
+    request: str
+    attempt: int
+    pairs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PullDone:
     request: str
     attempt: int
@@ -159,7 +171,8 @@ class Tick:
 
 
 DecodeCommand = (
-    ExpectKV | Notify | PullDone | KVFailed | Allocate | AllocateMany | Abort | Finish | Tick
+    ExpectKV | Notify | NotifyMany | PullDone | KVFailed | Allocate | AllocateMany | Abort | Finish
+    | Tick
     | LeaseCommand
 )
 
@@ -167,17 +180,35 @@ DecodeCommand = (
 # --- state -----------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Entry:
     attempt: int
     phase: str = "decoding"
     mode: str = "push"
-    blocks: tuple[int, ...] = ()
+    # the block lists reserved, in order: a growing request adds one per reservation, joined
+    # only when `blocks` is read (concatenating at every reservation copied the whole list)
+    parts: list[tuple[int, ...]] = field(default_factory=list)
     num_tokens: int = 0
     expected: frozenset[tuple[int, int]] = frozenset()
     received: set[tuple[int, int]] = field(default_factory=set)
     deadline: float = float("inf")
     since: float = 0.0
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Every block reserved, in order."""
+        parts = self.parts
+        if len(parts) > 1:
+            parts[:] = [tuple(chain.from_iterable(parts))]
+        return parts[0] if parts else ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Entry):
+            return NotImplemented
+        return (self.attempt, self.phase, self.mode, self.blocks, self.num_tokens,
+                self.expected, self.received, self.deadline, self.since) == (
+            other.attempt, other.phase, other.mode, other.blocks, other.num_tokens,
+            other.expected, other.received, other.deadline, other.since)
 
 
 Key = tuple[str, int]
@@ -229,6 +260,8 @@ class DecodeCore(Machine[DecodeCommand]):
             return self.leases.decide(cmd, now)
         if isinstance(cmd, AllocateMany):
             return self._allocate_many(cmd, now)
+        if isinstance(cmd, NotifyMany):  # allowed in every phase, as `Notify` is
+            return self._notify_many(cmd, now)
         return self._dispatch(TABLE, self.phase(cmd.request, cmd.attempt), cmd, now)
 
     def _tick(self, now: float) -> list[Event]:
@@ -356,6 +389,36 @@ class DecodeCore(Machine[DecodeCommand]):
                 out += self._free(now, key, "aborted; transfer drained")
         return out
 
+    def _notify_many(self, cmd: NotifyMany, now: float) -> list[Event]:
+        # `_notify` for each pair, against the state the earlier pairs' events leave: the
+        # wait ends at the last expected stream (its KV is received; an aborted attempt's
+        # blocks are freed); every pair after it is a repeat, as `_notify` finds it
+        key = (cmd.request, cmd.attempt)
+        e = self.entries.get(key)
+        waiting = e is not None and e.mode == "push" and e.phase in ("awaiting_kv", "aborting")
+        received: set[tuple[int, int]] = set()
+        if e is not None and waiting:
+            unexpected = [p for p in cmd.pairs if p not in e.expected]
+            if unexpected:
+                raise PeerError(f"{cmd.request}: notification from stream {unexpected[0]}, "
+                                f"expected {sorted(e.expected)}")
+            received = set(e.received)
+        out: list[Event] = []
+        for pair in cmd.pairs:
+            dup = not waiting or pair in received
+            out.append(NotificationReceived(
+                at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt,
+                src_rank=pair[0], dst_rank=pair[1], duplicate=dup))
+            if dup or e is None:
+                continue
+            received.add(pair)
+            if len(received) == len(e.expected):
+                out.append(KVReceived(at=now, instance=self.instance, request=cmd.request,
+                                      attempt=cmd.attempt, num_tokens=e.num_tokens))
+                if e.phase == "aborting":
+                    out += self._free(now, key, "aborted; transfer drained")
+        return out
+
     def _pull_done(self, cmd: PullDone, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
         e = self.entries[key]
@@ -461,42 +524,53 @@ class DecodeCore(Machine[DecodeCommand]):
         if ev.at - self._pruned_at >= self.forget_after:
             self._prune(ev.at)
         key = (ev.request or "", getattr(ev, "attempt", 0))
-        if isinstance(ev, LeaseGranted):
+        if type(ev) is LeaseGranted:  # event types are final: the type names the event
             self._end(key)  # the blocks now belong to the lease
         if self.leases.apply(ev):
             return self
-        if isinstance(ev, BlocksReserved):
-            self.ledger.apply(ev)
-            e = self._open(key, ev.at)
-            e.blocks = e.blocks + ev.blocks
-        elif isinstance(ev, BlocksFreed):
-            self.ledger.apply(ev)
-            self._end(key)
-        elif isinstance(ev, RegistrationSent):
-            e = self._open(key, ev.at)
-            e.phase, e.mode, e.num_tokens, e.deadline = (
-                "awaiting_kv",
-                "push",
-                ev.num_tokens,
-                ev.deadline,
-            )
-            e.expected = _expected(self.layout, ev.src_tp)
-        elif isinstance(ev, TransferPlanned):
-            e = self._open(key, ev.at)
-            e.phase, e.mode, e.num_tokens = "awaiting_kv", "pull", ev.num_tokens
-        elif isinstance(ev, NotificationReceived):
-            if not ev.duplicate:
-                self.entries[key].received.add((ev.src_rank, ev.dst_rank))
-        elif isinstance(ev, (KVReceived, KVLoadFailed)):
-            cur = self.entries.get(key)
-            if cur is not None and cur.phase == "awaiting_kv":
-                cur.phase = "decoding"
-        elif isinstance(ev, RequestAborted):
-            if ev.phase == "awaiting_kv":
-                self.entries[key].phase = "aborting"
-            else:
-                self._end(key)
+        fold = _FOLD.get(type(ev))
+        if fold is not None:
+            fold(self, ev, key)
         return self
+
+    def _on_reserved(self, ev: BlocksReserved, key: Key) -> None:
+        self.ledger.apply(ev)
+        e = self._open(key, ev.at)
+        if ev.blocks:
+            e.parts.append(ev.blocks)
+
+    def _on_freed(self, ev: BlocksFreed, key: Key) -> None:
+        self.ledger.apply(ev)
+        self._end(key)
+
+    def _on_registration(self, ev: RegistrationSent, key: Key) -> None:
+        e = self._open(key, ev.at)
+        e.phase, e.mode, e.num_tokens, e.deadline = (
+            "awaiting_kv",
+            "push",
+            ev.num_tokens,
+            ev.deadline,
+        )
+        e.expected = _expected(self.layout, ev.src_tp)
+
+    def _on_planned(self, ev: TransferPlanned, key: Key) -> None:
+        e = self._open(key, ev.at)
+        e.phase, e.mode, e.num_tokens = "awaiting_kv", "pull", ev.num_tokens
+
+    def _on_notification(self, ev: NotificationReceived, key: Key) -> None:
+        if not ev.duplicate:
+            self.entries[key].received.add((ev.src_rank, ev.dst_rank))
+
+    def _on_kv_end(self, ev: KVReceived | KVLoadFailed, key: Key) -> None:
+        cur = self.entries.get(key)
+        if cur is not None and cur.phase == "awaiting_kv":
+            cur.phase = "decoding"
+
+    def _on_aborted(self, ev: RequestAborted, key: Key) -> None:
+        if ev.phase == "awaiting_kv":
+            self.entries[key].phase = "aborting"
+        else:
+            self._end(key)
 
     def _open(self, key: Key, at: float) -> Entry:
         e = self.entries.get(key)
@@ -515,6 +589,18 @@ class DecodeCore(Machine[DecodeCommand]):
         self.ended = {k: t for k, t in self.ended.items() if t > cutoff}
         self.leases.prune(now)
 
+
+# how `apply` folds each event type that is not a lease's (others change nothing here)
+_FOLD: dict[type, Callable[[DecodeCore, Any, Key], None]] = {
+    BlocksReserved: DecodeCore._on_reserved,
+    BlocksFreed: DecodeCore._on_freed,
+    RegistrationSent: DecodeCore._on_registration,
+    TransferPlanned: DecodeCore._on_planned,
+    NotificationReceived: DecodeCore._on_notification,
+    KVReceived: DecodeCore._on_kv_end,
+    KVLoadFailed: DecodeCore._on_kv_end,
+    RequestAborted: DecodeCore._on_aborted,
+}
 
 _A, _W, _D, _X, _E = "absent", "awaiting_kv", "decoding", "aborting", "ended"
 _ALLOCATABLE = (_A, _W, _D)

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 
+from .checks import found_fine
 from .events import BlocksFreed, BlocksReserved
 
 
@@ -107,7 +108,8 @@ class Ledger:
             self.chunks.setdefault(req, []).append((ev.attempt, ev.blocks))
             return
         held = self._held(req)
-        if ev.blocks == held and len(set(held)) == len(held):
+        # (a list the core already found free of repeats is not checked again)
+        if ev.blocks == held and (found_fine(ev.blocks) or len(set(held)) == len(held)):
             # the usual case: the request frees everything it holds, each block once
             freed: set[int] | tuple[int, ...] = held
             self.chunks.pop(req, None)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from .checks import duplicates, finite, ours, theirs
 from .errors import PeerError, ProtocolError
@@ -589,71 +589,85 @@ class PrefillCore(Machine[PrefillCommand]):
         self.saw(ev)
         if ev.at - self._pruned_at >= self.forget_after:
             self._prune(ev.at)
-        if isinstance(ev, LeaseGranted) and ev.purpose == "pull_hold":
+        kind = type(ev)  # event types are final: the type names the event
+        if kind is LeaseGranted and ev.purpose == "pull_hold":  # type: ignore[attr-defined]
             # custody of the finished prefill's blocks passes to the hold lease
-            self._end((ev.request or "", ev.attempt))
+            self._end((ev.request or "", ev.attempt))  # type: ignore[attr-defined]
         if self.leases.apply(ev):
             return self
-        req = ev.request or ""
-        attempt = getattr(ev, "attempt", 0)
-        key = (req, attempt)
-        if isinstance(ev, RequestReissued):
-            for k, e in list(self.entries.items()):
-                if k[0] != req or k[1] >= ev.attempt or e.phase == "transferring":
-                    continue  # a WRITE in flight frees its blocks when it ends
-                if e.reading:
-                    e.abort_pending = True  # freed when the read ends
-                else:
-                    self._end(k)
-            self.latest[req] = max(self.latest.get(req, ev.attempt), ev.attempt)
-            self.reissued[req] = ev.attempt
-            return self
-        if isinstance(ev, (BlocksReserved, BlocksFreed)):
-            self.ledger.apply(ev)
-            if isinstance(ev, BlocksReserved):
-                e = self._open(key)
-                e.blocks = e.blocks + ev.blocks
-            elif key in self.entries:
-                gone = set(ev.blocks)
-                e = self.entries[key]
-                e.blocks = tuple(b for b in e.blocks if b not in gone)
-            return self
-        if isinstance(ev, RegistrationArrived):
-            self._open(key).registration = ev
-        elif isinstance(ev, RegistrationDropped):
-            cur = self.entries.get(key)
-            if cur is not None and cur.phase == "held":
-                cur.registration = None  # it could not be matched: wait for another one
-        elif isinstance(ev, PrefillFinished):
-            e = self._open(key)
-            e.finished = ev
-            e.phase = "held"
-        elif isinstance(ev, RendezvousMatched):
-            self.entries[key].phase = "transferring"
-        elif isinstance(ev, TransferPlanned) and ev.direction == "D->P":
-            self._open(key).reading = True
-        elif isinstance(ev, (TransferCompleted, TransferFailed)):
-            e = self.entries[key]
-            if ev.direction == "D->P":
-                e.reading = False
-                if e.abort_pending:
-                    self._end(key)
-            else:
-                self._end(key)
-        elif isinstance(ev, RequestAborted):
-            cur = self.entries.get(key)
-            if cur is not None and (cur.phase == "transferring" or cur.reading):
-                cur.abort_pending = True
-            else:
-                self._end(key)
-        elif isinstance(ev, HoldTimedOut):
-            self._end(key)
-        elif isinstance(ev, RequestPreempted):
-            cur = self.entries.get(key)
-            if cur is not None:
-                cur.finished = None
-                cur.phase = "waiting"
+        fold = _FOLD.get(kind)
+        if fold is not None:
+            fold(self, ev, (ev.request or "", getattr(ev, "attempt", 0)))
         return self
+
+    def _on_reissued(self, ev: RequestReissued, key: Key) -> None:
+        req = key[0]
+        for k, e in list(self.entries.items()):
+            if k[0] != req or k[1] >= ev.attempt or e.phase == "transferring":
+                continue  # a WRITE in flight frees its blocks when it ends
+            if e.reading:
+                e.abort_pending = True  # freed when the read ends
+            else:
+                self._end(k)
+        self.latest[req] = max(self.latest.get(req, ev.attempt), ev.attempt)
+        self.reissued[req] = ev.attempt
+
+    def _on_reserved(self, ev: BlocksReserved, key: Key) -> None:
+        self.ledger.apply(ev)
+        e = self._open(key)
+        e.blocks = e.blocks + ev.blocks
+
+    def _on_freed(self, ev: BlocksFreed, key: Key) -> None:
+        self.ledger.apply(ev)
+        if key in self.entries:
+            gone = set(ev.blocks)
+            e = self.entries[key]
+            e.blocks = tuple(b for b in e.blocks if b not in gone)
+
+    def _on_registration(self, ev: RegistrationArrived, key: Key) -> None:
+        self._open(key).registration = ev
+
+    def _on_dropped(self, ev: RegistrationDropped, key: Key) -> None:
+        cur = self.entries.get(key)
+        if cur is not None and cur.phase == "held":
+            cur.registration = None  # it could not be matched: wait for another one
+
+    def _on_finished(self, ev: PrefillFinished, key: Key) -> None:
+        e = self._open(key)
+        e.finished = ev
+        e.phase = "held"
+
+    def _on_matched(self, ev: RendezvousMatched, key: Key) -> None:
+        self.entries[key].phase = "transferring"
+
+    def _on_planned(self, ev: TransferPlanned, key: Key) -> None:
+        if ev.direction == "D->P":
+            self._open(key).reading = True
+
+    def _on_transfer_end(self, ev: TransferCompleted | TransferFailed, key: Key) -> None:
+        e = self.entries[key]
+        if ev.direction == "D->P":
+            e.reading = False
+            if e.abort_pending:
+                self._end(key)
+        else:
+            self._end(key)
+
+    def _on_aborted(self, ev: RequestAborted, key: Key) -> None:
+        cur = self.entries.get(key)
+        if cur is not None and (cur.phase == "transferring" or cur.reading):
+            cur.abort_pending = True
+        else:
+            self._end(key)
+
+    def _on_hold_timed_out(self, ev: HoldTimedOut, key: Key) -> None:
+        self._end(key)
+
+    def _on_preempted(self, ev: RequestPreempted, key: Key) -> None:
+        cur = self.entries.get(key)
+        if cur is not None:
+            cur.finished = None
+            cur.phase = "waiting"
 
     def _open(self, key: Key) -> Entry:
         e = self.entries.get(key)
@@ -679,6 +693,23 @@ class PrefillCore(Machine[PrefillCommand]):
 
 
 _W, _H, _T, _A, _E = "waiting", "held", "transferring", "absent", "ended"
+# how `apply` folds each event type that is not a lease's (others change nothing here)
+_FOLD: dict[type, Callable[[PrefillCore, Any, Key], None]] = {
+    RequestReissued: PrefillCore._on_reissued,
+    BlocksReserved: PrefillCore._on_reserved,
+    BlocksFreed: PrefillCore._on_freed,
+    RegistrationArrived: PrefillCore._on_registration,
+    RegistrationDropped: PrefillCore._on_dropped,
+    PrefillFinished: PrefillCore._on_finished,
+    RendezvousMatched: PrefillCore._on_matched,
+    TransferPlanned: PrefillCore._on_planned,
+    TransferCompleted: PrefillCore._on_transfer_end,
+    TransferFailed: PrefillCore._on_transfer_end,
+    RequestAborted: PrefillCore._on_aborted,
+    HoldTimedOut: PrefillCore._on_hold_timed_out,
+    RequestPreempted: PrefillCore._on_preempted,
+}
+
 TABLE: dict[tuple[str, type], Callable[..., list[Event]]] = {
     **{(p, Allocate): PrefillCore._allocate for p in (_A, _W)},
     **{(p, Register): PrefillCore._register for p in (_A, _W, _H, _T, _E)},

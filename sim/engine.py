@@ -196,6 +196,12 @@ def _fan_out(src: KVLayout, dst: KVLayout) -> tuple[Any, ...]:
     return tuple(fan_out(src, dst))
 
 
+@functools.lru_cache(maxsize=64)
+def _streams(src: KVLayout, dst: KVLayout) -> tuple[tuple[int, int], ...]:
+    """The (src_rank, dst_rank) pairs of the fan-out's streams, in its order."""
+    return tuple((s.src_rank, s.dst_rank) for s in _fan_out(src, dst))
+
+
 def hex_chain(hashes: np.ndarray | None) -> tuple[str, ...]:
     """The core's block-hash chain (strings) from the workload's per-block uint64 hashes."""
     if hashes is None:
@@ -217,6 +223,7 @@ class HashIndex:
 
     _MIX = np.uint64(0x9E3779B97F4A7C15)
     _EMPTY, _GONE = -1, -2  # `vals` of a free slot and of a removed entry
+    _WINDOW = 8  # slots a lookup that missed its home slot reads per round
 
     def __init__(self, n: int) -> None:
         self.bits = max(int(4 * max(n, 1) - 1).bit_length(), 4)
@@ -235,17 +242,31 @@ class HashIndex:
 
     def _find(self, hs: np.ndarray) -> np.ndarray:
         """The slot of each key, -1 where it is absent."""
-        out = np.full(len(hs), -1, dtype=np.int64)
-        todo = np.arange(len(hs))
         idx = self._slots(hs)
-        keys, vals, mask = self.keys, self.vals, len(self.keys) - 1
-        want = hs
+        keys, vals = self.keys, self.vals
+        v = vals[idx]
+        hit = (keys[idx] == hs) & (v >= 0)
+        settled = hit | (v == self._EMPTY)
+        # the usual case: every key settled at its home slot (found there, or the slot empty)
+        if settled.all():
+            return np.where(hit, idx, -1)
+        # the rest scan the next `_WINDOW` slots of their probe run at once, round after
+        # round: a key stops at its own live slot (found) or at an empty one (absent)
+        out = np.where(hit, idx, -1)
+        todo = np.flatnonzero(~settled)
+        mask = len(keys) - 1
+        pos, want = (idx[todo] + 1) & mask, hs[todo]
+        ahead = np.arange(self._WINDOW)
         while len(todo):
-            v = vals[idx]
-            hit = (keys[idx] == want) & (v >= 0)
-            out[todo[hit]] = idx[hit]
-            go = ~hit & (v != self._EMPTY)
-            todo, idx, want = todo[go], (idx[go] + 1) & mask, want[go]
+            win = (pos[:, None] + ahead) & mask
+            v = vals[win]
+            hit = (keys[win] == want[:, None]) & (v >= 0)
+            stop = hit | (v == self._EMPTY)
+            rows, first = np.arange(len(todo)), stop.argmax(axis=1)
+            found = hit[rows, first]
+            out[todo[found]] = win[rows, first][found]
+            go = ~stop[rows, first]
+            todo, pos, want = todo[go], (pos[go] + self._WINDOW) & mask, want[go]
         return out
 
     def get(self, hs: np.ndarray) -> np.ndarray:
@@ -262,21 +283,34 @@ class HashIndex:
             self._rebuild()
         todo = np.arange(len(hs))
         idx = self._slots(hs)
-        mask = size - 1
+        keys, vals, mask = self.keys, self.vals, size - 1
         while len(todo):
-            v = self.vals[idx]
-            free = np.flatnonzero(v < 0)
-            # the first of the keys aiming at one free slot takes it; the rest probe on
-            _, first = np.unique(idx[free], return_index=True)
-            won = free[first]
+            # each key aiming at a free slot writes its number there; the one whose number
+            # reads back takes the slot, the rest (occupied slot, or another key won) probe on
+            v = vals[idx]
+            free = v < 0
+            vals[idx[free]] = todo[free]
+            won = free & (vals[idx] == todo)
             slot = idx[won]
             self.removed -= int(np.count_nonzero(v[won] == self._GONE))
-            self.keys[slot] = hs[todo[won]]
-            self.vals[slot] = blocks[todo[won]]
-            go = np.ones(len(todo), dtype=bool)
-            go[won] = False
+            keys[slot] = hs[todo[won]]
+            vals[slot] = blocks[todo[won]]
+            if won.all():
+                break
+            go = ~won
             todo, idx = todo[go], (idx[go] + 1) & mask
         self.live += len(hs)
+
+    def distinct(self, hs: np.ndarray) -> bool:
+        """Whether no key appears twice in `hs`: distinct home slots prove it (each key's
+        number written to its slot reads back), else an exact check."""
+        idx = self._slots(hs)
+        v = self.vals[idx]
+        mark = np.arange(len(hs), dtype=np.int32)
+        self.vals[idx] = mark
+        ok = bool((self.vals[idx] == mark).all())
+        self.vals[idx] = v
+        return ok or len(np.unique(hs)) == len(hs)
 
     def remove(self, hs: np.ndarray) -> None:
         """Remove keys that are present."""
@@ -366,54 +400,126 @@ class LruRing:
         self.head, self.tail = 0, len(live)
 
 
+class IdDeque:
+    """Block ids in a ring buffer, taken from the front, added at either end: a run of ids costs
+    one array copy, however fragmented (a deque of runs cost a Python step per run, and a
+    decode pool's freed lists are runs of one or two blocks)."""
+
+    def __init__(self, n: int) -> None:
+        self.buf = np.arange(n, dtype=np.int32)  # every id free, in order
+        self.head = 0
+        self.count = n
+
+    def _read(self, start: int, m: int) -> np.ndarray:
+        cap = len(self.buf)
+        if m == 0:
+            return np.zeros(0, dtype=np.int64)
+        start %= cap
+        end = start + m
+        if end <= cap:
+            return self.buf[start:end].astype(np.int64)
+        return np.concatenate((self.buf[start:], self.buf[: end - cap])).astype(np.int64)
+
+    def _write(self, start: int, ids: np.ndarray) -> None:
+        cap, m = len(self.buf), len(ids)
+        start %= cap
+        end = start + m
+        if end <= cap:
+            self.buf[start:end] = ids
+        else:
+            self.buf[start:] = ids[: cap - start]
+            self.buf[: end - cap] = ids[cap - start:]
+
+    def ids(self) -> np.ndarray:
+        """Every id, front first."""
+        return self._read(self.head, self.count)
+
+    def popleft(self, m: int) -> np.ndarray:
+        out = self._read(self.head, m)
+        self.head = (self.head + m) % max(len(self.buf), 1)
+        self.count -= m
+        return out
+
+    def prepend(self, ids: np.ndarray) -> None:
+        """`ids` at the front, in their order (ids[0] first)."""
+        if len(ids):
+            self.head = (self.head - len(ids)) % len(self.buf)
+            self._write(self.head, ids)
+            self.count += len(ids)
+
+    def append(self, ids: np.ndarray) -> None:
+        if len(ids):
+            self._write(self.head + self.count, ids)
+            self.count += len(ids)
+
+
 class FreeBlockQueue:
-    """vLLM v1's queue of free blocks, kept as runs.
+    """vLLM v1's queue of free blocks.
 
     vLLM puts a freed block without a prefix-cache hash at the front and one with a hash at the
     back, and only hashed blocks are ever taken out of the middle (a cache hit). So the queue is
-    a deque of runs `(start, length, step)` (step +1 or -1) followed by the hashed blocks in
-    LRU order (`LruRing`); allocation pops runs first, then the least recently freed hashed
-    blocks.
+    the unhashed blocks in order (`IdDeque`) followed by the hashed blocks in LRU order
+    (`LruRing`); allocation takes the unhashed blocks first, then the least recently freed
+    hashed blocks.
     """
 
-    def __init__(self, n: int) -> None:
-        self.runs: deque[tuple[int, int, int]] = deque([(0, n, 1)] if n else [])
-        self.in_runs = n
-        self.lru = LruRing(n)
+    def __init__(self, n: int, hashed: int | None = None) -> None:
+        self.unhashed = IdDeque(n)
+        self.lru = LruRing(n if hashed is None else hashed)  # room for `hashed` blocks
+
+    @property
+    def in_runs(self) -> int:
+        return self.unhashed.count
+
+    @property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """The unhashed blocks as runs `(start, length, step)`, front first (for inspection)."""
+        return self._as_runs(self.unhashed.ids())
 
     def __len__(self) -> int:
-        return self.in_runs + len(self.lru)
+        return self.unhashed.count + len(self.lru)
 
     def __contains__(self, block: int) -> bool:
         """Whether a hashed block is free (only hashed blocks are asked about)."""
         return bool(self.lru.pos[block] >= 0)
 
+    def popleft(self, n: int) -> np.ndarray:
+        """The first `n` blocks (n <= len), out of the queue."""
+        k = min(n, self.unhashed.count)
+        if k == n:
+            return self.unhashed.popleft(n)
+        if k == 0:
+            return self.lru.popleft(n)
+        return np.concatenate((self.unhashed.popleft(k), self.lru.popleft(n - k)))
+
     def popleft_n(self, n: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < n and self.runs:
-            start, length, step = self.runs.popleft()
-            k = min(length, n - len(out))
-            out.extend(range(start, start + step * k, step))
-            if k < length:
-                self.runs.appendleft((start + step * k, length - k, step))
-            self.in_runs -= k
-        if len(out) < n:
-            out.extend(self.lru.popleft(n - len(out)).tolist())
-        return out
+        return self.popleft(n).tolist()  # type: ignore[no-any-return]
 
     @staticmethod
     def _as_runs(blocks: list[int] | np.ndarray) -> list[tuple[int, int, int]]:
-        if len(blocks) == 0:
+        """`blocks` cut into runs `(start, length, step)`, each a maximal stretch of ids one
+        apart in one direction (step +1 or -1; 1 for a lone block), taken greedily from the
+        front. In a list of distinct ids a stretch can only end where two neighbours are not
+        one apart (turning round would repeat an id), so the runs are cut there in one array
+        pass; a list that turns round (a repeated id) is walked block by block."""
+        n = len(blocks)
+        if n == 0:
             return []
         arr = np.asarray(blocks, dtype=np.int64)
-        steps = np.diff(arr)
-        for step in (1, -1):
-            if not (steps == -step).any():  # one direction only: runs end where a step is not
-                ends = [*(np.flatnonzero(steps != step) + 1).tolist(), len(arr)]
-                starts = arr[[0, *ends[:-1]]].tolist()
-                return [(s, b - a, step if b - a > 1 else 1)
-                        for s, a, b in zip(starts, [0, *ends[:-1]], ends)]
-        blocks = arr.tolist()
+        d = np.diff(arr)
+        one = (d == 1) | (d == -1)
+        if n > 2 and (one[:-1] & one[1:] & (d[:-1] != d[1:])).any():
+            return FreeBlockQueue._as_runs_walk(arr.tolist())
+        first = np.flatnonzero(~one) + 1
+        starts = np.concatenate(([0], first))
+        lengths = np.diff(np.append(starts, n))
+        steps = np.ones(len(starts), dtype=np.int64)
+        long = lengths > 1
+        steps[long] = d[starts[long]]
+        return list(zip(arr[starts].tolist(), lengths.tolist(), steps.tolist()))
+
+    @staticmethod
+    def _as_runs_walk(blocks: list[int]) -> list[tuple[int, int, int]]:
         runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(blocks):
@@ -426,16 +532,14 @@ class FreeBlockQueue:
         return runs
 
     def prepend_n(self, blocks: list[int] | np.ndarray) -> None:
-        self.runs.extendleft(reversed(self._as_runs(blocks)))
-        self.in_runs += len(blocks)
+        self.unhashed.prepend(np.asarray(blocks, dtype=np.int64))
 
     def append_n(self, blocks: list[int] | np.ndarray) -> None:
         """Hashed blocks go to the LRU tail; others (the synthetic history's skips) end the runs."""
         self.lru.append(np.asarray(blocks, dtype=np.int64))
 
     def append_unhashed(self, blocks: list[int] | np.ndarray) -> None:
-        self.runs.extend(self._as_runs(blocks))
-        self.in_runs += len(blocks)
+        self.unhashed.append(np.asarray(blocks, dtype=np.int64))
 
     def remove(self, block: int) -> None:
         self.lru.remove(np.array([block], dtype=np.int64))
@@ -534,41 +638,61 @@ class BlockPool:
             raise ValueError(f"block reuse must be 'lifo' or 'fifo', not {reuse!r}")
         self.reuse = reuse
         synthetic = run_blocks is not None and not prefix_caching
-        self.queue = FreeBlockQueue(0 if synthetic else n)
+        # without prefix caching no block is ever hashed or shared: the LRU of hashed blocks,
+        # the hash table and the per-block arrays below stay empty (a cluster's decode pools
+        # would otherwise fill hundreds of MiB they never read)
+        m = n if prefix_caching else 0
+        self.queue = FreeBlockQueue(0 if synthetic else n, hashed=m)
         self.capacity = n
         self.run_blocks = run_blocks
         self.rng = np.random.default_rng(seed)
         self.prefix_caching = prefix_caching
-        m = 0 if synthetic else n
         self.ref = np.zeros(m, dtype=np.int32)  # block -> requests holding it
         self.block_of = HashIndex(m)  # prefix hash -> cached block
         self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
         self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
         self.version = 0  # changes whenever `block_of` does
-        self._hits_memo: tuple[Any, int, int, list[int]] | None = None
+        self._hits_memo: tuple[Any, int, int, list[int], np.ndarray] | None = None
+        self._arrays: tuple[list[int], np.ndarray] | None = None  # a list and its array
+        self._last_hits: tuple[np.ndarray, np.ndarray] | None = None  # hashes, their blocks
+        # large takes' arrays by the id of the tuple handed out (the tuple is kept with it,
+        # so the id stays its own), for `give`; bounded, cleared when full
+        self._taken: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+        self._mark: np.ndarray | None = None  # scratch for `_distinct`, made when first used
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
 
     @property
     def free(self) -> int:
-        return len(self.queue) if self.ring is None else self.ring.count
+        if self.ring is not None:
+            return self.ring.count
+        return self.queue.unhashed.count + self.queue.lru.count
 
     def take(self, n: int) -> tuple[int, ...] | None:
         if n > self.free:
             return None
         if self.ring is not None:
             return self.ring.take(n, self.rng.geometric(1.0 / self.run_blocks, size=n))
-        out = self.queue.popleft_n(n)
-        arr = np.array(out, dtype=np.int64)
+        arr = self.queue.popleft(n)
+        out = arr.tolist()
+        if not self.prefix_caching:
+            # no hashes and no sharing: a block's holder count is never asked (`give` frees
+            # every block of a request whatever it says)
+            return tuple(out)
         self.ref[arr] = 1
         cached = arr[self.hashed[arr]]
         if len(cached):  # taking a cached block from the head evicts its hash
             self.version += 1
             self.hashed[cached] = False
             self.block_of.remove(self.hash_of[cached])
-        return tuple(out)
+        got = tuple(out)
+        if n >= 64:  # a prompt's blocks, most often given back as they are: keep the array
+            if len(self._taken) >= 256:
+                self._taken.clear()
+            self._taken[id(got)] = (got, arr)
+        return got
 
     def give(self, blocks: tuple[int, ...]) -> None:
         """Free a request's blocks, tail first."""
@@ -576,8 +700,14 @@ class BlockPool:
             self.ring.append(blocks)
             return
         ref, hashed = self.ref, self.hashed
-        rev = np.array(blocks[::-1], dtype=np.int64)
-        if (ref[rev] <= 1).all():
+        kept = self._taken.pop(id(blocks), None)
+        if kept is not None and kept[0] is blocks:
+            rev = kept[1][::-1]
+        else:
+            rev = np.array(blocks[::-1], dtype=np.int64)
+        if not self.prefix_caching:  # no hashes, no sharing (see `take`): all to the front
+            front, back = rev, rev[:0]
+        elif (ref[rev] <= 1).all():
             # the usual case: every block's last holder frees it
             ref[rev] = 0
             mask = hashed[rev]
@@ -604,31 +734,61 @@ class BlockPool:
         the map has not changed (a request waiting at the head of the queue for blocks), the
         last answer is given again."""
         memo = self._hits_memo
-        if memo is not None and memo[0] is hashes and memo[1] == limit and memo[2] == self.version:
-            return list(memo[3])
-        out = self._hits(hashes, limit)
-        self._hits_memo = (hashes, limit, self.version, out)
-        return list(out)
+        if memo is None or memo[0] is not hashes or memo[1] != limit or memo[2] != self.version:
+            memo = self._hits_memo = self._hits(hashes, limit)
+        out = list(memo[3])
+        self._arrays = (out, memo[4])  # `free_of` and `touch` of this list need no conversion
+        return out
 
-    def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int) -> list[int]:
+    def _array(self, blocks: list[int]) -> np.ndarray:
+        """`blocks` as an array: the one made with this very list (`_arrays`), or anew."""
+        got = self._arrays
+        if got is not None and got[0] is blocks:
+            return got[1]
+        return np.array(blocks, dtype=np.int64)
+
+    def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int
+              ) -> tuple[Any, int, int, list[int], np.ndarray]:
         end = min(limit, len(hashes))
-        got: list[int] = []
-        for lo, hi in ((0, min(16, end)), (16, end)):  # the first few, then the rest
+        hs = np.asarray(hashes[:end], dtype=np.uint64)
+        parts: list[np.ndarray] = []
+        # Requests sharing a prefix ask about the same leading hashes: the blocks the last
+        # answer found for them still hold them while each is hashed with that very hash
+        # (`hashed`, `hash_of`: a block has one hash, a hash one block), checked here on the
+        # pool's arrays instead of probing the map; probing resumes at the first that does not
+        k = 0
+        last = self._last_hits
+        if last is not None and len(last[1]) and end:
+            n = min(len(last[1]), end)
+            same = hs[:n] == last[0][:n]
+            n = n if same.all() else int(np.argmin(same))
+            if n:
+                b = last[1][:n]
+                ok = self.hashed[b] & (self.hash_of[b] == hs[:n])
+                k = n if ok.all() else int(np.argmin(ok))
+                parts.append(b[:k])
+        for lo, hi in ((k, min(k + 16, end)), (k + 16, end)):  # the first few, then the rest
             if lo >= hi:
                 break
-            part = self.block_of.get(np.asarray(hashes[lo:hi], dtype=np.uint64))
+            part = self.block_of.get(hs[lo:hi]).astype(np.int64, copy=False)
             miss = np.flatnonzero(part < 0)
-            got += part[: miss[0] if len(miss) else hi - lo].tolist()
+            parts.append(part[: miss[0] if len(miss) else hi - lo])
             if len(miss):
                 break
-        return got
+        arr = (np.concatenate(parts) if len(parts) > 1 else parts[0] if parts
+               else np.zeros(0, dtype=np.int64))
+        self._last_hits = (hs[: len(arr)], arr)
+        return hashes, limit, self.version, arr.tolist(), arr
 
     def free_of(self, blocks: list[int]) -> list[int]:
         """Those of `blocks` (cache hits) that no request holds: they wait in the free queue."""
         if not blocks:
             return []
-        arr = np.array(blocks, dtype=np.int64)
-        return arr[self.queue.lru.mask(arr)].tolist()  # type: ignore[no-any-return]
+        arr = self._array(blocks)
+        free = arr[self.queue.lru.mask(arr)]
+        out: list[int] = free.tolist()
+        self._arrays = (out, free)
+        return out
 
     def free_after_touch(self, blocks: list[int]) -> int:
         """Free blocks left once `blocks` (cache hits) are taken out of the queue."""
@@ -638,9 +798,9 @@ class BlockPool:
         if not blocks:
             return
         lru, ref = self.queue.lru, self.ref
-        arr = np.array(blocks, dtype=np.int64)
+        arr = self._array(blocks)
         free = lru.mask(arr)
-        if free.all() and len(np.unique(arr)) == len(arr):
+        if free.all() and self._distinct(arr):
             # the usual case, distinct free blocks (no holder): out of the queue, one holder
             lru.remove(arr)
             ref[arr] = 1
@@ -649,6 +809,15 @@ class BlockPool:
             if lru.pos[b] >= 0:
                 lru.remove(np.array([b], dtype=np.int64))
             ref[b] += 1
+
+    def _distinct(self, blocks: np.ndarray) -> bool:
+        """Whether no block appears twice: each block's number written at its place in a
+        scratch array reads back (a block named twice reads one number for both)."""
+        if self._mark is None:
+            self._mark = np.zeros(self.capacity, dtype=np.int32)
+        mark = np.arange(len(blocks), dtype=np.int32)
+        self._mark[blocks] = mark
+        return bool((self._mark[blocks] == mark).all())
 
     def cache(self, hashes: Sequence[int] | np.ndarray, blocks: tuple[int, ...]) -> None:
         """Register the full blocks of a computed prompt in the prefix cache."""
@@ -663,10 +832,18 @@ class BlockPool:
         # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
         # cached yet: the prefix cache is asked about the first kind only
         at = np.flatnonzero(~hashed[arr])
+        # leading hashes the last prefix-cache answer holds (re-checked as in `_hits`) are
+        # cached: only the others are probed
+        last = self._last_hits
+        k = min(len(last[1]), m) if last is not None else 0
+        if last is not None and k and len(at):
+            b = last[1][:k]
+            held = (hs_all[:k] == last[0][:k]) & hashed[b] & (self.hash_of[b] == hs_all[:k])
+            at = at[(at >= k) | ~held[np.minimum(at, k - 1)]]
         at = at[block_of.get(hs_all[at]) < 0]
         hs, bs = hs_all[at], arr[at]
         self.version += 1
-        if len(np.unique(hs)) == len(hs) and len(np.unique(bs)) == len(bs):  # distinct
+        if self._distinct(bs) and block_of.distinct(hs):
             block_of.add(hs, bs)
             hashed[bs] = True
             self.hash_of[bs] = hs
@@ -1056,6 +1233,8 @@ class DecodeInstance(Instance):
         # the macro-step under way: when its first step starts, when each step ends (from
         # then), the steps at which its requests take a block (sorted); see `_in_flight`
         self.plan: tuple[float, list[float], list[int]] | None = None
+        # `_fit`'s crossings per running request, for `grow` at the macro-step's end
+        self._per: tuple[list[SimRequest], int, list[tuple[int, list[int]]]] | None = None
         self.reader = simpy.Resource(sim.env, capacity=1)
         self.admit_wake = sim.env.event()
         sim.env.process(self.admit_loop())
@@ -1256,10 +1435,10 @@ class DecodeInstance(Instance):
 
     def on_notifications(self, r: SimRequest) -> None:
         pf = self.sim.prefills[r.prefill]
-        for s in _fan_out(pf.layout, self.layout):
-            for e in self.do(D.Notify(r.id, 0, s.src_rank, s.dst_rank)):
-                if isinstance(e, KVReceived):
-                    self.kv_ready(r)
+        # every stream's notification, in the fan-out's order, as one core call
+        for e in self.do(D.NotifyMany(r.id, 0, _streams(pf.layout, self.layout))):
+            if isinstance(e, KVReceived):
+                self.kv_ready(r)
 
     def kv_ready(self, r: SimRequest) -> None:
         """The KV is in decode's blocks. vLLM learns it from the worker's finished receives
@@ -1382,24 +1561,25 @@ class DecodeInstance(Instance):
                 durations = [d if i == 0 and fresh else self.sim.hop(d, "decode_step")
                              for i, d in enumerate(durations)]
             start = env.now
-            self.plan = (start + stall, list(itertools.accumulate(durations)), crossings)
+            # each step's end from the first's start: `ends[-1]` is `sum(durations)`, bit
+            # for bit (the same additions in the same order)
+            ends = list(itertools.accumulate(durations))
+            self.plan = (start + stall, ends, crossings)
             if self.preempted_in_step:
                 self.admit_after = start + stall + durations[0]
                 self.preempted_in_step = False
             self._rearm()
-            timer = env.timeout(stall + sum(durations))
+            timer = env.timeout(stall + ends[-1])
             yield timer | self.wake
             steps = k
             if not timer.processed:
-                # woken early: finish the step in progress, then let the batch change
-                acc, steps = 0.0, 0
-                while steps < k:
-                    acc += durations[steps]
-                    steps += 1
-                    if start + stall + acc >= env.now:
-                        break
-                if start + stall + acc > env.now:
-                    yield env.timeout(start + stall + acc - env.now)
+                # woken early: finish the step in progress (the first to end now or later),
+                # then let the batch change
+                now, base = env.now, start + stall
+                steps = min(bisect.bisect_left(ends, now, key=lambda e: base + e) + 1, k)
+                acc = ends[steps - 1]
+                if base + acc > now:
+                    yield env.timeout(base + acc - now)
             self._advance(steps, durations, stall, start)
             self._advance_chunks(chunks)
 
@@ -1458,6 +1638,13 @@ class DecodeInstance(Instance):
         first = max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
         return list(range(first, steps + 1, bs)[:final - held])
 
+    def _next_takes(self, r: SimRequest) -> int:
+        """1 when `r`'s next step needs a new block (`_crossings(r, 1)` not empty), else 0."""
+        bs = self.layout.block_size
+        held = self.held.get(r.id, 0)
+        return int(held * bs <= r.prompt + r.done_tokens
+                   and held < -(-(r.prompt + r.output) // bs))
+
     def make_room(self) -> None:
         """vLLM's step, running requests first, in order: each gets the block its next token
         needs; when the pool has none (after evicting retained KV, oldest first), the last
@@ -1465,16 +1652,19 @@ class DecodeInstance(Instance):
         the one preempted (vLLM's FCFS policy; prefix-cached free blocks count as free).
         Requests computing a local prefill joined the running list last: they go first."""
         pool, need, i = self.pool, 0, 0
+        free = pool.free  # read again whenever a release or a preemption gives blocks back
         while i < len(self.running):
             r = self.running[i]
-            n = len(self._crossings(r, 1))
-            while need + n > pool.free:
+            n = self._next_takes(r)
+            while need + n > free:
                 if self.retained:
                     lease, _ = self.retained.popitem(last=False)
                     self.do(Release(lease, "evicted under memory pressure"))
+                    free = pool.free
                     continue
                 victim = self.prefilling[-1].r if self.prefilling else self.running[-1]
                 self.preempt(victim)
+                free = pool.free
                 if victim is r:
                     break
             else:
@@ -1485,10 +1675,17 @@ class DecodeInstance(Instance):
         """At most `k` steps, no more than the pool's free blocks can serve (the step that
         would need one more ends the macro-step, and `make_room` preempts at its start), and
         the steps at which they take a block."""
-        steps = sorted(s for r in self.running for s in self._crossings(r, k))
+        per = []  # (index in the running batch, its crossings), kept for `grow`
+        for i, r in enumerate(self.running):
+            c = self._crossings(r, k)
+            if c:
+                per.append((i, c))
+        self._per = (self.running, len(self.running), per)
+        steps = sorted(itertools.chain.from_iterable(c for _, c in per))
         if len(steps) > self.pool.free:
             k = steps[self.pool.free] - 1  # make_room left every step-1 block free: k >= 1
-        return k, [s for s in steps if s <= k]
+            return k, steps[:bisect.bisect_right(steps, k)]
+        return k, steps
 
     def _in_flight(self) -> int:
         """Blocks the macro-step under way has taken by now in vLLM's terms (every step begun
@@ -1502,21 +1699,25 @@ class DecodeInstance(Instance):
     def grow(self, steps: int) -> None:
         """The running requests' output blocks, taken as their tokens cross block boundaries
         over `steps` steps, in the order the steps cross them (so requests interleave)."""
-        pool = self.pool
-        crossings = [(i, k, r) for k, r in enumerate(self.running)
-                     for i in self._crossings(r, steps)]
+        pool, running = self.pool, self.running
+        planned, self._per = self._per, None
+        if planned is not None and planned[0] is running and planned[1] == len(running):
+            per = planned[2]  # `_fit`'s crossings (up to at least `steps`): the batch is as it was
+        else:
+            per = [(k, self._crossings(r, steps)) for k, r in enumerate(running)]
+        crossings = [(i, k) for k, c in per for i in c[:bisect.bisect_right(c, steps)]]
         self.plan = None
         if not crossings:
             return
-        crossings.sort(key=lambda c: (c[0], c[1]))
-        got: dict[str, list[int]] = {}
+        crossings.sort()  # by step, then by place in the batch
+        got: dict[int, list[int]] = {}
         taken = pool.take(len(crossings))
         assert taken is not None, "decode growth found fewer free blocks than it planned"
-        for (_, _, r), b in zip(crossings, taken, strict=True):
-            got.setdefault(r.id, []).append(b)
+        for (_, k), b in zip(crossings, taken, strict=True):
+            got.setdefault(k, []).append(b)
         allocations = []
-        for r in self.running:
-            new = got.get(r.id)
+        for k, r in enumerate(running):
+            new = got.get(k)
             if new:
                 self.held[r.id] = self.held.get(r.id, 0) + len(new)
                 allocations.append(D.Allocate(r.id, r.attempt, tuple(new)))

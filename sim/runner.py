@@ -12,9 +12,9 @@ Rules kept here:
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -88,11 +88,12 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
             followers.setdefault(q.previous, []).append(q)
 
     def make(q: Request) -> SimRequest:
-        hashes = q.block_hashes(block_size)
         retained = None
-        if q.conversation is not None:
-            whole = replace(q, prompt_tokens=q.prompt_tokens + q.output_tokens)
-            retained = whole.block_hashes(block_size)
+        if q.conversation is not None:  # the prompt's hashes lead those of prompt + output
+            retained = q.block_hashes(block_size, q.prompt_tokens + q.output_tokens)
+            hashes = retained[: q.prompt_tokens // block_size]
+        else:
+            hashes = q.block_hashes(block_size)
         r = SimRequest(ids[q.rid] if ids else q.request_id, env.now, q.prompt_tokens,
                        q.output_tokens,
                        conversation=(conversations[q.rid] if conversations
@@ -150,10 +151,24 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
         streamed = StreamingSummary(cfg.decode_layout.block_size)
         sim.sink = streamed.add
     all_done = feed(sim, batch, cfg.decode_layout.block_size, start=begin)
-    if run is None:
-        sim.env.run(until=all_done)
-    else:
-        run(sim, all_done, len(batch))
+    # What exists now (modules, the simulation, the workload) lives as long as the run: the
+    # cyclic garbage collector need not walk it again at every full collection. The run makes
+    # and drops many small objects (events, commands) that reference counting frees: the
+    # young generation is collected less often (measured: a third of the collector's time).
+    frozen = gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(max(threshold[0], 20_000), *threshold[1:])
+    try:
+        if run is None:
+            sim.env.run(until=all_done)
+        else:
+            run(sim, all_done, len(batch))
+    finally:
+        gc.set_threshold(*threshold)
+        if frozen:
+            gc.unfreeze()
     simulated = sim.env.now - begin
     if drain:
         sim.drain()

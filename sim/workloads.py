@@ -86,9 +86,9 @@ class Request:
     def conversation_id(self) -> str | None:
         return None if self.conversation is None else f"conv-{self.conversation}"
 
-    def block_hashes(self, block_size: int) -> np.ndarray:
+    def block_hashes(self, block_size: int, tokens: int | None = None) -> np.ndarray:
         """One uint64 hash per full block of the prompt (see `block_hashes`)."""
-        return block_hashes(self, block_size)
+        return block_hashes(self, block_size, tokens)
 
 
 @dataclass(frozen=True)
@@ -172,15 +172,17 @@ def _mix(keys: np.ndarray, index: np.ndarray) -> np.ndarray:
     return _splitmix64((keys.astype(_U64) << _U64(24)) ^ index.astype(_U64))
 
 
-def block_hashes(request: Request, block_size: int) -> np.ndarray:
-    """One uint64 per *full* block of the prompt; equal hashes mean equal prefixes.
+def block_hashes(request: Request, block_size: int, tokens: int | None = None) -> np.ndarray:
+    """One uint64 per *full* block of the prompt; equal hashes mean equal prefixes. `tokens`
+    (default: the prompt's) extends the same stream further: the prompt and the output after
+    it, a conversation's next prefix; block j's hash does not depend on how far it extends.
 
     Block j of a stream prompt hashes (shared stream, j) when the block lies entirely inside the
     shared prefix, else (own stream, j): a stream is append-only, so block j's content, and the
     prefix before it, is a function of (stream, j). A trace prompt hashes (hash id covering the
     block's last token, j): Mooncake hash ids are chained, so that id names the whole prefix.
     """
-    n = request.prompt_tokens // block_size
+    n = (request.prompt_tokens if tokens is None else tokens) // block_size
     j = np.arange(n, dtype=np.int64)
     if request.hash_ids:
         ids = np.asarray(request.hash_ids, dtype=np.int64)

@@ -46,6 +46,48 @@ def test_a_batch_of_allocations_makes_the_events_one_by_one_would() -> None:
         many.decide(dc.AllocateMany((dc.Allocate("d", 0, (4, 4)),)), 3.0)
 
 
+def test_a_batch_of_notifications_makes_the_events_one_by_one_would() -> None:
+    """A push's completion notifications as one `NotifyMany`: the same events and state as the
+    `Notify`s handled in turn: all streams, a repeat, a late one after the KV is in, an
+    aborted wait (its blocks freed at the last stream), a wait that already ended; a stream
+    the wait does not expect refuses the batch and changes nothing."""
+    from kvplane.core.errors import PeerError
+
+    src = layout(tp=4)
+
+    def waiting(abort: bool = False) -> dc.DecodeCore:
+        d = dc.DecodeCore("D", layout(tp=2))
+        d.handle(dc.ExpectKV("r", 0, P, (3, 4, 5), 40, src, "push"), 0.0)
+        if abort:
+            d.handle(dc.Abort("r", 0), 0.5)
+        return d
+
+    streams = sorted(waiting().entries[("r", 0)].expected)
+    assert len(streams) > 2
+    cases = [
+        (False, streams),
+        (False, [streams[0], streams[0], *streams[1:], streams[1]]),
+        (True, [*streams, streams[0]]),
+        (False, streams[:1]),
+    ]
+    for abort, pairs in cases:
+        one, many = waiting(abort), waiting(abort)
+        seq = [e for a, b in pairs for e in one.handle(dc.Notify("r", 0, a, b), 1.0)]
+        assert many.handle(dc.NotifyMany("r", 0, tuple(pairs)), 1.0) == seq
+        assert state_of(many) == state_of(one)
+    done = waiting()
+    done.handle(dc.NotifyMany("r", 0, tuple(streams)), 1.0)
+    again = copy.deepcopy(done)
+    seq = [e for a, b in streams for e in done.handle(dc.Notify("r", 0, a, b), 2.0)]
+    assert again.handle(dc.NotifyMany("r", 0, tuple(streams)), 2.0) == seq
+    assert all(e.duplicate for e in seq)  # type: ignore[attr-defined]
+    fresh = waiting()
+    before = copy.deepcopy(state_of(fresh))
+    with pytest.raises(PeerError, match="not|expected"):
+        fresh.handle(dc.NotifyMany("r", 0, (streams[0], (9, 9))), 1.0)
+    assert state_of(fresh) == before
+
+
 def test_missing_transition_names_state_and_input() -> None:
     d = dc.DecodeCore("D", layout())
     with pytest.raises(ProtocolError) as info:

@@ -128,3 +128,119 @@ def test_the_hash_index_answers_as_a_dict_does() -> None:
         got = index.get(np.array(probe, dtype=np.uint64)).tolist()
         assert got == [ref.get(h, -1) for h in probe]
         assert len(index) == len(ref)
+
+
+def test_distinct_checks_agree_with_a_set() -> None:
+    """The hash index's and the pool's distinctness checks (scratch write-and-read-back)
+    against a set, on lists with and without repeats, small keys colliding in their slots."""
+    import numpy as np
+
+    from kvplane.sim.engine import BlockPool, HashIndex
+
+    rng = np.random.default_rng(5)
+    index = HashIndex(64)
+    index.add(np.arange(1, 40, dtype=np.uint64), np.arange(39))
+    pool = BlockPool(300, None, 0, prefix_caching=True)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        hs = rng.integers(0, 80 if rng.random() < 0.5 else 2**63, size=n).astype(np.uint64)
+        assert index.distinct(hs) == (len(set(hs.tolist())) == n)
+        bs = rng.integers(0, 300, size=n)
+        assert pool._distinct(bs) == (len(set(bs.tolist())) == n)
+    # the check leaves the index as it was
+    assert index.get(np.arange(1, 40, dtype=np.uint64)).tolist() == list(range(39))
+
+
+def test_runs_cut_in_one_pass_equal_the_walk() -> None:
+    """`FreeBlockQueue._as_runs` (array pass) gives the block-by-block walk's runs, on lists
+    of runs of both directions, with and without a repeated id."""
+    import numpy as np
+
+    from kvplane.sim.engine import FreeBlockQueue
+
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        n = int(rng.integers(0, 40))
+        ids: list[int] = []
+        while len(ids) < n:
+            start, length = int(rng.integers(0, 200)), int(rng.integers(1, 8))
+            step = 1 if rng.random() < 0.5 else -1
+            ids += [start + step * k for k in range(length)]
+        ids = ids[:n]
+        if rng.random() < 0.5:
+            ids = list(dict.fromkeys(ids))  # distinct
+        assert FreeBlockQueue._as_runs(ids) == FreeBlockQueue._as_runs_walk(ids)
+
+
+def test_the_free_queue_keeps_order_as_a_list_does() -> None:
+    """Random takes, frees to the front and to the back (the ring wrapping round, nearly
+    empty and full queues) against a plain list of the unhashed free blocks."""
+    import numpy as np
+
+    from kvplane.sim.engine import FreeBlockQueue
+
+    rng = np.random.default_rng(3)
+    n = 50
+    q, ref, held = FreeBlockQueue(n), list(range(n)), []
+    for _ in range(3000):
+        if ref and rng.random() < 0.5:
+            k = int(rng.integers(0, len(ref) + 1))
+            assert q.popleft_n(k) == ref[:k]
+            held += ref[:k]
+            ref = ref[k:]
+        elif held:
+            k = int(rng.integers(1, len(held) + 1))
+            order = [int(i) for i in rng.permutation(len(held))]
+            back = [held[i] for i in order[:k]]
+            held = [held[i] for i in order[k:]]
+            if rng.random() < 0.5:
+                q.prepend_n(back)
+                ref = back + ref
+            else:
+                q.append_unhashed(back)
+                ref = ref + back
+        assert len(q) == len(ref) == q.in_runs
+        assert [b for s, m, st in q.runs for b in range(s, s + st * m, st)] == ref
+
+
+def test_prefix_hits_reuse_the_last_answer_only_where_it_still_holds() -> None:
+    """`BlockPool.hits` (which re-checks the last answer's blocks on the pool's arrays before
+    probing the map) against a probe of every hash, while prompts sharing prefixes are
+    admitted, cached, freed and evicted."""
+    import numpy as np
+
+    from kvplane.sim.engine import BlockPool
+
+    rng = np.random.default_rng(7)
+    pool = BlockPool(120, None, 0, prefix_caching=True)
+    stems = [rng.integers(1, 2**62, size=40, dtype=np.uint64) for _ in range(3)]
+    held: list[tuple[int, ...]] = []
+    for _ in range(400):
+        stem = stems[int(rng.integers(0, 3))]
+        cut = int(rng.integers(0, 41))
+        hashes = np.concatenate((stem[:cut], rng.integers(1, 2**62, size=int(rng.integers(0, 20)),
+                                                          dtype=np.uint64)))
+        limit = int(rng.integers(0, len(hashes) + 1))
+        want = []
+        for h in hashes[:limit].tolist():
+            b = int(pool.block_of.get(np.array([h], dtype=np.uint64))[0])
+            if b < 0:
+                break
+            want.append(b)
+        assert pool.hits(hashes, limit) == want
+        n = len(hashes)
+        if n and pool.free >= n and rng.random() < 0.3:
+            # hits stood in for by fresh blocks (as the simulator does for a hit another
+            # request holds): the take may evict the very blocks of the answer just given
+            blocks = pool.take(n)
+            pool.cache(hashes, blocks)
+            held.append(blocks)
+            # every hash of the prompt is cached now, on a block of its own or an older one
+            assert (pool.block_of.get(hashes) >= 0).all()
+        elif n and pool.free >= n and not (set(want) & {b for t in held for b in t}):
+            pool.touch(pool.free_of(want))
+            blocks = (*want, *pool.take(n - len(want)))
+            pool.cache(hashes, blocks)
+            held.append(blocks)
+        if held and rng.random() < 0.5:
+            pool.give(held.pop(int(rng.integers(0, len(held)))))
