@@ -260,10 +260,10 @@ def _run_point_collecting(args: tuple[Point, bool]) -> tuple[dict[str, Any], lis
     point, record = args
     if not record:
         return simulate(point)[1], []
-    from kvplane.store.encoding import encode_event
+    from kvplane.store.encoding import encode_trusted_one  # the core's events
 
     rows: list[Any] = []
-    add, enc = rows.append, encode_event
+    add, enc = rows.append, encode_trusted_one
     _, summary = simulate(point, lambda e: add(enc(e)))
     return summary, rows
 
