@@ -10,6 +10,11 @@ Events are built before the clock starts: only the store's cost is measured.
     .venv/bin/python benchmarks/store_write.py --events 50000 --pg-url postgresql://...
     .venv/bin/python benchmarks/store_write.py --no-postgres
     .venv/bin/python benchmarks/store_write.py --writers 4     # 4 recorders in 4 processes
+    .venv/bin/python benchmarks/store_write.py --trusted       # as the simulator records
+
+`--trusted` records as the simulator does (`BatchingRecorder(trusted=True)`: the events are
+queued as they are and checked and encoded on the writer thread); by default each event is
+checked and encoded in `record()`, as a live connector's recorder does.
 
 With --writers N, N processes (say N live instances) each record an equal share of the events
 into a run of their own, all at once, into one database; events/s is then all events over the
@@ -134,13 +139,15 @@ class Result:
 
 
 def measure(
-    backend: str, url: str, events: list[Event], batch_size: int, flush_interval: float
+    backend: str, url: str, events: list[Event], batch_size: int, flush_interval: float,
+    trusted: bool = False,
 ) -> Result:
     store = open_store(url)
     try:
         run_id = store.create_run("sim", "benchmark/store_write", meta={"events": len(events)})
         recorder = BatchingRecorder(
-            store, run_id, batch_size=batch_size, flush_interval=flush_interval
+            store, run_id, batch_size=batch_size, flush_interval=flush_interval,
+            **({"trusted": True} if trusted else {}),
         )
         record = recorder.record
         cpu_start, caller_start = time.process_time(), time.thread_time()
@@ -212,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-url", help="use this PostgreSQL database instead of a private one")
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs per backend; best is shown")
+    parser.add_argument("--trusted", action="store_true",
+                        help="record as the simulator does: encoded on the writer thread")
     parser.add_argument("--writers", type=int, default=1,
                         help="concurrent recorders (processes), each into its own run")
     parser.add_argument(
@@ -252,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                              for _ in range(args.repeat)]
                 else:
                     tries = [
-                        measure(name, make_url(), events, args.batch_size, args.flush_interval)
+                        measure(name, make_url(), events, args.batch_size, args.flush_interval,
+                                args.trusted)
                         for _ in range(args.repeat)
                     ]
                 results.append(min(tries, key=lambda r: r.total_s))

@@ -371,7 +371,7 @@ def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | No
         "scenario": dump, "replay_of": run_id, "point": point.label, "seed": seed,
         "requests": len(reqs), "profiles": [str(p) for p in profiles],
     })
-    rec = BatchingRecorder(store, twin)
+    rec = BatchingRecorder(store, twin, trusted=True)  # the core's events
     try:
         sim = Simulation(cfg, costs, rec.record)
         # a simulated sweep point whose servers served the sweep before it: the same history
@@ -475,7 +475,7 @@ def _whatif(store: EventStore, sc: Scenario, baseline: str | None, changes: dict
             run_id = store.create_run("sim", f"{point.scenario.name}:{point.label}",
                                       parent=parent, meta={"point": point.label,
                                                            "seed": point.seed, "arm": arm})
-            rec = BatchingRecorder(store, run_id)
+            rec = BatchingRecorder(store, run_id, trusted=True)  # the core's events
             try:
                 summary = _simulate_point(point, rec.record, progress,
                                           f"{arm} {i}/{total} seed {point.iteration + 1}")

@@ -244,7 +244,7 @@ def _run_point(args: tuple[Point, str | None, str | None]) -> dict[str, Any]:
     with open_store(db) as store:
         run_id = store.create_run("sim", f"{point.scenario.name}:{point.label}", parent=parent,
                                   meta={"point": point.label, "seed": point.seed})
-        rec = BatchingRecorder(store, run_id)
+        rec = BatchingRecorder(store, run_id, trusted=True)  # the core's events
         try:
             _, summary = simulate(point, rec.record)
         finally:
@@ -260,10 +260,10 @@ def _run_point_collecting(args: tuple[Point, bool]) -> tuple[dict[str, Any], lis
     point, record = args
     if not record:
         return simulate(point)[1], []
-    from kvplane.store.encoding import encode_event
+    from kvplane.store.encoding import encode_trusted_one  # the core's events
 
     rows: list[Any] = []
-    add, enc = rows.append, encode_event
+    add, enc = rows.append, encode_trusted_one
     _, summary = simulate(point, lambda e: add(enc(e)))
     return summary, rows
 

@@ -14,7 +14,8 @@ Rules kept here:
   once, and SQLite does the whole chunk in parallel with the caller.
 - Rows are `encoding.EncodedEvent` tuples whose fields are the columns after (run, seq), in
   order, the payload already JSON text and the block lists already packed: a row is written
-  as it is, prefixed with its run and seq.
+  as it is, prefixed with its run and seq. Or `encoding.FlatRows`: the same fields, row after
+  row, in one list (a trusted recorder's batch).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, insert
 
-from .encoding import EncodedEvent
+from .encoding import WIDTH, EncodedEvent, FlatRows
 from .schema import events_table
 
 _COLUMNS: Final = ("run", "seq", *EncodedEvent._fields)
@@ -37,7 +38,8 @@ _SQLITE_ROW: Final = "(" + ", ".join("?" * len(_COLUMNS)) + ")"
 _PG_COPY: Final = f"COPY events ({', '.join(_COLUMNS)}) FROM STDIN"
 
 
-def bulk_insert(conn: Connection, run_id: str, first: int, rows: Sequence[EncodedEvent]) -> None:
+def bulk_insert(conn: Connection, run_id: str, first: int,
+                rows: Sequence[EncodedEvent] | FlatRows) -> None:
     """Insert `rows` as seqs `first`, `first + 1`, ... of `run_id`."""
     dialect = conn.dialect.name
     if dialect == "postgresql" and conn.dialect.driver == "psycopg":
@@ -45,15 +47,19 @@ def bulk_insert(conn: Connection, run_id: str, first: int, rows: Sequence[Encode
     elif dialect == "sqlite":
         _insert_sqlite(conn, run_id, first, rows)
     else:
+        listed = rows.as_rows() if isinstance(rows, FlatRows) else rows
         conn.execute(
             insert(events_table),
             [{"run": run_id, "seq": first + i, **row._asdict(),
-              "payload": json.loads(row.payload)} for i, row in enumerate(rows)],
+              "payload": json.loads(row.payload)} for i, row in enumerate(listed)],
         )
 
 
-def _tuples(run_id: str, first: int, rows: Sequence[EncodedEvent]) -> Any:
-    """(run, seq, *row) for every row, lazily, in C (no Python frame per row)."""
+def _tuples(run_id: str, first: int, rows: Sequence[EncodedEvent] | FlatRows) -> Any:
+    """(run, seq, *row) for every row, lazily, in C (no Python frame per row; from flat
+    rows, one tuple reused by `zip` for all of them)."""
+    if isinstance(rows, FlatRows):
+        return zip(repeat(run_id), count(first), *[iter(rows)] * WIDTH)
     return map(tuple.__add__, zip(repeat(run_id), count(first)), rows)
 
 
@@ -62,23 +68,28 @@ def _sqlite_insert(rows: int) -> str:
     return f"INSERT INTO events ({', '.join(_COLUMNS)}) VALUES " + ", ".join([_SQLITE_ROW] * rows)
 
 
-def _insert_sqlite(conn: Connection, run_id: str, first: int, rows: Sequence[EncodedEvent]) -> None:
+def _insert_sqlite(conn: Connection, run_id: str, first: int,
+                   rows: Sequence[EncodedEvent] | FlatRows) -> None:
     raw: Any = conn.connection.dbapi_connection
     per_statement = min(
         _SQLITE_ROWS, raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(_COLUMNS)
     )
+    flat = isinstance(rows, FlatRows)
+    total = rows.rows if isinstance(rows, FlatRows) else len(rows)
     cursor = raw.cursor()
     try:
-        for start in range(0, len(rows), per_statement):
-            chunk = rows[start : start + per_statement]
+        for start in range(0, total, per_statement):
+            end = min(start + per_statement, total)
+            chunk: Any = (FlatRows(rows[start * WIDTH:end * WIDTH]) if flat
+                          else rows[start:end])
             values = list(chain.from_iterable(_tuples(run_id, first + start, chunk)))
-            cursor.execute(_sqlite_insert(len(chunk)), values)
+            cursor.execute(_sqlite_insert(end - start), values)
     finally:
         cursor.close()
 
 
 def _copy_postgresql(
-    conn: Connection, run_id: str, first: int, rows: Sequence[EncodedEvent]
+    conn: Connection, run_id: str, first: int, rows: Sequence[EncodedEvent] | FlatRows
 ) -> None:
     raw: Any = conn.connection.dbapi_connection
     with raw.cursor() as cursor, cursor.copy(_PG_COPY) as copy:

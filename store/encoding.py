@@ -33,12 +33,20 @@ one before (two bytes where it may be negative or over 255), made in one C-level
 folded by zlib when long; consecutive ids are one run; any other list is its runs or its ids
 (`pack_lists` has the format). A 1,024-id list of consecutive ids is 13 bytes instead of
 about 5 KB of JSON. A list that fits none of these (ids far outside int32) takes the slow
-way: into the JSON.
+way: into the JSON. A long list of ids in [0, 2**31) (the pools' case) is packed without a
+Python step per id: `struct` reads the ids once, and big-integer arithmetic finds the steps
+and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way.
+
+The recorders of the core's own events (`BatchingRecorder(trusted=True)`) encode through
+`encode_trusted`: the same rows, less the check that each block id is an exact int (a step per
+id, as costly as the packing); every other field is checked all the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -69,6 +77,23 @@ class EncodedEvent(NamedTuple):
     blocks: int | None  # `block_count(event)`, stored beside the event
     payload: str  # JSON text of the core's payload, less the lists held in `lists`
     lists: bytes | None  # the event's block-id lists (`pack_lists`); None: all in `payload`
+
+
+class FlatRows(list[Any]):
+    """Rows one after another, their fields in one flat list (`WIDTH` values a row): how a
+    trusted recorder batches them. A batch of rows as tuples keeps one more object alive per
+    event, and with the queued events they doubled the garbage collector's passes over the
+    simulator's heap while a recording ran; a flat list of plain values is one object."""
+
+    @property
+    def rows(self) -> int:
+        return len(self) // WIDTH
+
+    def as_rows(self) -> list[EncodedEvent]:
+        return list(map(EncodedEvent._make, zip(*[iter(self)] * WIDTH, strict=True)))
+
+
+WIDTH = len(EncodedEvent._fields)
 
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
@@ -104,6 +129,40 @@ def _encode_slowly(event: Event, index: int | None) -> EncodedEvent:
 def encode_batch(events: Sequence[Event]) -> list[EncodedEvent]:
     """Every event of a batch as rows, or `EventRefused` for the first unfit one."""
     return [encode_event(event, index) for index, event in enumerate(events)]
+
+
+def encode_trusted_one(event: Event) -> EncodedEvent:
+    """`encode_trusted` of one event (its index is not named)."""
+    fast = _TRUSTED_BY_CLASS.get(type(event)) or _by_class(type(event), trusted=True)
+    try:
+        row = fast(event)
+    except Exception:  # noqa: BLE001 - an odd value (unhashable, say): the core judges it
+        row = None
+    return row if row is not None else _encode_slowly(event, None)
+
+
+def encode_trusted(events: Sequence[Event], first: int = 0) -> list[EncodedEvent]:
+    """`encode_batch` for events the core made (the simulator's and the live connectors'):
+    the same rows, less the one check that costs a step per block id (that each id of a
+    block list is an exact int: the core's lists are, and an id that is no integer at all
+    still sends its event the slow, checked way). Every other field is checked as
+    `encode_event` checks it; an unfit event is `EventRefused` naming its index (counted
+    from `first`)."""
+    table = _TRUSTED_BY_CLASS
+    with contextlib.suppress(Exception):  # a class not seen yet, an odd value: one by one
+        # the common case in one comprehension: every class known, every row made
+        rows: list[EncodedEvent | None] = [table[type(event)](event) for event in events]
+        if None not in rows:
+            return typing.cast(list[EncodedEvent], rows)
+    out = []
+    for index, event in enumerate(events):
+        fast = table.get(type(event)) or _by_class(type(event), trusted=True)
+        try:
+            row = fast(event)
+        except Exception:  # noqa: BLE001 - an odd value (unhashable, say): the core judges it
+            row = None
+        out.append(row if row is not None else _encode_slowly(event, first + index))
+    return out
 
 
 def block_count(event: Event) -> int | None:
@@ -169,6 +228,7 @@ _FORMAT = b"\x01"
 _BIG_ENDIAN = sys.byteorder == "big"
 _HEAD = struct.Struct("<BI")
 _FIRST = struct.Struct("<i")
+_ONE = struct.Struct("<BIi")  # a piece of kind 3 holding one id
 _ZIP = 0x80
 _ZIP_OVER = 512  # longer bodies are offered to zlib (its set-up costs more than it saves below)
 assert array("i").itemsize == 4, "int32 arrays are what the packed format holds"
@@ -246,10 +306,28 @@ def _prefix(names: Sequence[str]) -> bytes:
     return _FORMAT + ",".join(names).encode("ascii") + b":"
 
 
-def _pack_ints(ids: tuple[int, ...]) -> bytes | None:
-    """One list's piece (exact ints); None if an id is outside int32."""
-    if not ids:
-        return _HEAD.pack(0, 0)
+def _pack_ints(ids: Sequence[int]) -> bytes | None:
+    """One list's piece; None if an id is outside int32. Long lists of ids in [0, 2**31), the
+    pools' case, are packed by whole-list C operations (`_pack_lanes`), others here."""
+    if len(ids) >= _LANES_FROM:
+        try:
+            ids32 = _uint32s(len(ids)).pack(*ids)
+        except struct.error:  # a negative id or one past uint32: the general way below
+            pass
+        else:
+            if ids32[3::4].isascii():  # every id under 2**31 (int32 and uint32 agree)
+                return _pack_lanes(ids, ids32)
+    return _pack_general(tuple(ids))
+
+
+def _pack_general(ids: tuple[int, ...]) -> bytes | None:
+    if len(ids) < 2:
+        if not ids:
+            return _HEAD.pack(0, 0)
+        try:  # one id (a decode step's new block, say): its first id and no steps
+            return _ONE.pack(3, 4, ids[0])
+        except struct.error:
+            return None
     try:  # near neighbours: the deltas as bytes (ascending) or int16s, made in C
         first = _FIRST.pack(ids[0])
         try:
@@ -271,11 +349,81 @@ def _pack_ints(ids: tuple[int, ...]) -> bytes | None:
                 body, kind = _int32s(ids), 1
         except OverflowError:
             return None
+    return _piece(kind, body)
+
+
+def _piece(kind: int, body: bytes) -> bytes:
     if len(body) > _ZIP_OVER:
-        folded = zlib.compress(body, 1)
+        # level 1 with a 4 KB window and small hash tables: zlib's set-up (clearing tables
+        # sized for 32 KB windows) otherwise costs more than compressing a 2 KB body
+        squeeze = zlib.compressobj(1, zlib.DEFLATED, 12, 3)
+        folded = squeeze.compress(body) + squeeze.flush()
         if len(folded) < len(body):
             body, kind = folded, kind | _ZIP
     return _HEAD.pack(kind, len(body)) + body
+
+
+# Packing a long list without a Python step per id. The ids, all in [0, 2**31), are packed as
+# uint32s by `struct` (one C pass: the only one that reads each id); read as two big integers,
+# the list less its first id and the list less its last, their difference plus 2**31 in every
+# 32-bit lane is one integer whose lanes are `2**31 + (ids[i + 1] - ids[i])`: each within
+# (0, 2**32), so no lane borrows from or carries into its neighbour. Big-integer masks then
+# tell in C which kind fits (every step 1; every step in 0..255; every step in int16), and
+# byte slicing takes each lane's low byte or two: the same bodies `_pack_general` makes.
+_LANES_FROM = 16  # shorter lists cost less the general way
+_LANE_CONSTANTS = 64  # lengths whose constants are kept (a run sees a handful)
+
+
+@functools.lru_cache(maxsize=_LANE_CONSTANTS)
+def _lanes(count: int) -> tuple[int, int, int, int, int, int]:
+    """For `count` lanes: every lane's bits, the bias (0x80000000 each), the lanes of all
+    steps 1, the mask of bits above a byte, half int16's range (0x8000), the mask above 16
+    bits."""
+    def each(lane: int) -> int:
+        return int.from_bytes(lane.to_bytes(4, "little") * count, "little")
+    return (each(0xFFFF_FFFF), each(0x8000_0000), each(0x8000_0001), each(0xFFFF_FF00),
+            each(0x8000), each(0xFFFF_0000))
+
+
+@functools.lru_cache(maxsize=_LANE_CONSTANTS)
+def _uint32s(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}I")
+
+
+def _pack_lanes(ids: Sequence[int], ids32: bytes) -> bytes:
+    """The piece of `ids` (at least 2, each in [0, 2**31)), given them as uint32s."""
+    n = len(ids) - 1  # steps
+    every, bias, ones, above_byte, half, above_int16 = _lanes(n)
+    whole = int.from_bytes(ids32, "little")
+    steps = (whole >> 32) - (whole & every) + bias  # lane i: 2**31 + ids[i + 1] - ids[i]
+    if steps == ones:  # consecutive: one run
+        return _HEAD.pack(2, 8) + ids32[:4] + _FIRST.pack(n + 1)
+    if steps & above_byte == bias:  # every step in 0..255: its low byte
+        return _piece(3, ids32[:4] + steps.to_bytes(4 * n, "little")[0::4])
+    if (steps + half) & above_int16 == bias:  # every step in int16: its low two bytes
+        lanes = steps.to_bytes(4 * n, "little")
+        low = bytearray(2 * n)
+        low[0::2] = lanes[0::4]
+        low[1::2] = lanes[1::4]
+        return _piece(4, ids32[:4] + low)
+    # far jumps: runs of consecutive ids where there are few, else the ids themselves.
+    # A byte per lane, 1 where the step is not 1 (a break between two runs): the lane's four
+    # bytes folded into its low byte, taken, and made 0 or 1.
+    other = steps ^ ones
+    other |= other >> 16
+    other |= other >> 8
+    flags = other.to_bytes(4 * n, "little")[0::4].translate(_ONE_IF_NOT_ZERO)
+    if 2 * flags.count(1) >= n - 1:  # as many runs as half the ids: the ids themselves
+        return _piece(1, ids32)
+    runs: list[int] = []
+    start = 0
+    for steps_of_one in map(len, flags.split(b"\x01")):  # one run per stretch of 1-steps
+        runs += (ids[start], steps_of_one + 1)
+        start += steps_of_one + 1
+    return _piece(2, _int32s(runs))
+
+
+_ONE_IF_NOT_ZERO = bytes([0] + [1] * 255)
 
 
 def _runs(ids: tuple[int, ...]) -> list[int]:
@@ -305,8 +453,9 @@ def _int32s(values: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-_LIST_CACHE_SIZE = 1024  # lists of the requests in flight; the oldest is forgotten first
+_LIST_CACHE_SIZE = 512  # lists of the requests in flight (see `_remember`)
 _INTS_PIECE: dict[int, tuple[tuple[Any, ...], bytes]] = {}  # id(tuple) -> (tuple, piece)
+_TRUSTED_PIECE: dict[int, tuple[tuple[Any, ...], bytes]] = {}  # the same, never checked
 _STRS_JSON: dict[int, tuple[tuple[Any, ...], str]] = {}
 
 
@@ -319,6 +468,24 @@ def _ints_piece(value: Any) -> bytes | None:
         return None
     piece = _pack_ints(value)
     return None if piece is None else _remember(_INTS_PIECE, value, piece)
+
+
+def _trusted_piece(value: Any) -> bytes | None:
+    """`_ints_piece` for the core's own events: the ids are not checked one by one (an id
+    that is not an int makes the packing raise, and the event then goes the slow way). Kept
+    apart from `_ints_piece`'s cache, whose tuples are known to hold exact ints only."""
+    hit = _TRUSTED_PIECE.get(id(value))
+    if hit is not None and hit[0] is value:
+        return hit[1]
+    if type(value) is not tuple:
+        return None
+    if len(value) == 1:  # a decode step's new block: packed in one call, not kept
+        try:
+            return _ONE.pack(3, 4, value[0])
+        except struct.error:
+            return None
+    piece = _pack_ints(value)
+    return None if piece is None else _remember(_TRUSTED_PIECE, value, piece)
 
 
 def _strs_json(value: Any) -> str | None:
@@ -337,10 +504,17 @@ _Packed = TypeVar("_Packed", str, bytes)
 
 def _remember(cache: dict[int, tuple[tuple[Any, ...], _Packed]], value: tuple[Any, ...],
               packed: _Packed) -> _Packed:
+    # Small on purpose: every list held here is alive when the garbage collector runs, and
+    # it walks each 1,024-id tuple id by id once. At 2,048 lists that cost more than packing
+    # again the lists a smaller cache forgets (push point: 0.05 s of collection against 0.02,
+    # for 600 more packings at 512).
     if len(cache) >= _LIST_CACHE_SIZE:
+        # the older half at once: a dict emptied one key at a time from its front is walked
+        # over its emptied slots by every `next(iter(...))`
         try:  # another recording thread may evict at the same moment: either one will do
-            cache.pop(next(iter(cache)), None)
-        except (RuntimeError, StopIteration):
+            for key in list(islice(cache, _LIST_CACHE_SIZE // 2 or 1)):
+                cache.pop(key, None)
+        except RuntimeError:
             pass
     cache[id(value)] = (value, packed)  # holding the tuple keeps its id from being reused
     return packed
@@ -354,41 +528,45 @@ _STR_SET = {str}
 
 FastEncoder = Callable[[Event], "EncodedEvent | None"]
 
-_ENCODERS: dict[str, FastEncoder | None] = {}
+_ENCODERS: dict[tuple[str, bool], FastEncoder | None] = {}
 
 
 _BY_CLASS: dict[type, FastEncoder] = {}
+_TRUSTED_BY_CLASS: dict[type, FastEncoder] = {}
 
 
 def _slow(event: Event) -> None:
     return None
 
 
-def _by_class(cls: type) -> FastEncoder:
+def _by_class(cls: type, trusted: bool = False) -> FastEncoder:
     """The fast encoder of an event class, `_slow` for anything else."""
     name = cls.__name__
-    fast = _encoder(name) if EVENT_TYPES.get(name) is cls else None
-    _BY_CLASS[cls] = fast or _slow
-    return _BY_CLASS[cls]
+    fast = _encoder(name, trusted) if EVENT_TYPES.get(name) is cls else None
+    table = _TRUSTED_BY_CLASS if trusted else _BY_CLASS
+    table[cls] = fast or _slow
+    return table[cls]
 
 
-def _encoder(name: str) -> FastEncoder | None:
-    if name not in _ENCODERS:
-        _ENCODERS[name] = _compile_event(EVENT_TYPES[name])
-    return _ENCODERS[name]
+def _encoder(name: str, trusted: bool = False) -> FastEncoder | None:
+    if (name, trusted) not in _ENCODERS:
+        _ENCODERS[name, trusted] = _compile_event(EVENT_TYPES[name], trusted)
+    return _ENCODERS[name, trusted]
 
 
-def _compile_event(cls: type[Event]) -> FastEncoder | None:
+def _compile_event(cls: type[Event], trusted: bool = False) -> FastEncoder | None:
     """One function per event type: a straight line of field tests on the event itself, then
     its row (the payload `encode` makes, as JSON text, less the int lists, which are packed);
-    None for "ask the core".
+    None for "ask the core". `trusted`: the ids of int lists are not checked one by one
+    (`_trusted_piece`), every other field is.
 
     Generated rather than a loop over per-field closures because it runs for every event
     recorded, and inlining the tests halves its cost (the way `dataclasses` writes `__init__`).
     """
     hints = typing.get_type_hints(cls)
     payload_fields = [f.name for f in dataclasses.fields(cls) if f.name not in _COMMON]
-    constants: dict[str, Any] = {"_isfinite": math.isfinite, "_ints_piece": _ints_piece,
+    constants: dict[str, Any] = {"_isfinite": math.isfinite,
+                                 "_ints_piece": _trusted_piece if trusted else _ints_piece,
                                  "_strs_json": _strs_json, "_dumps": _dumps,
                                  "_jstr": _json_str, "_new": _new_row, "_Row": EncodedEvent}
     lines = ["def encode(event):"]
@@ -433,7 +611,8 @@ def _compile_event(cls: type[Event]) -> FastEncoder | None:
                  f"f'''{{{{{body}}}}}''', {lists}))")
     source = "\n".join(lines) + "\n"
     namespace: dict[str, Any] = dict(constants)
-    exec(compile(source, f"<kvplane.store encode {cls.__name__}>", "exec"), namespace)  # noqa: S102
+    where = f"<kvplane.store encode {cls.__name__}{' trusted' if trusted else ''}>"
+    exec(compile(source, where, "exec"), namespace)  # noqa: S102
     fast = namespace["encode"]
     fast.__name__ = cls.__name__
     return typing.cast(FastEncoder, fast)

@@ -61,7 +61,7 @@ from sqlalchemy.engine import URL
 from ._core import EVENT_TYPES, SCHEMA_VERSION, Event, SchemaError, decode
 from .bulk import bulk_insert
 from .diagnose import check_schema, reading, require_file
-from .encoding import EncodedEvent, encode_batch, merge_lists
+from .encoding import EncodedEvent, FlatRows, encode_batch, merge_lists
 from .engine import WRITE_LOCK, make_engine, resolve_url, sqlite_file
 from .errors import (
     RunNotFound,
@@ -208,8 +208,9 @@ class EventStore:
         """Check, number and write one batch in one transaction; the seqs it was given."""
         return self.append_encoded(run_id, encode_batch(events))
 
-    def append_encoded(self, run_id: str, rows: Sequence[EncodedEvent]) -> range:
-        """`append` for rows already checked by `encoding.encode_event` (recorders use it)."""
+    def append_encoded(self, run_id: str, rows: Sequence[EncodedEvent] | FlatRows) -> range:
+        """`append` for rows already checked by `encoding.encode_event` (recorders use it), as
+        tuples or flat (`encoding.FlatRows`)."""
         self._writable()
         with self._writer.begin() as conn:
             # Lock the run's row first, so concurrent appenders to one run queue here
@@ -229,7 +230,7 @@ class EventStore:
             first = 0 if last is None else int(last) + 1
             if rows:
                 bulk_insert(conn, run_id, first, rows)
-        return range(first, first + len(rows))
+        return range(first, first + (rows.rows if isinstance(rows, FlatRows) else len(rows)))
 
     def events(
         self,

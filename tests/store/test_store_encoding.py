@@ -28,7 +28,14 @@ from kvplane.core.events import (
     validate,
 )
 from kvplane.store import EventRefused, block_count, encode_batch, encode_event, payload_of
-from kvplane.store.encoding import _encoder, pack_lists, unpack_lists
+from kvplane.store.encoding import (
+    _encoder,
+    _pack_general,
+    _pack_ints,
+    encode_trusted,
+    pack_lists,
+    unpack_lists,
+)
 
 # Values of the wrong kind, for any field.
 _wrong = st.one_of(
@@ -78,6 +85,7 @@ def test_fast_check_accepts_every_well_formed_event(event: Event) -> None:
         assert done is None and row.lists is None  # such a list goes into the JSON
     else:
         assert done == row
+    assert encode_trusted([event]) == [row]  # the recorder's way for the core's events
 
 
 def _int_lists(event: Event) -> list[tuple[int, ...]]:
@@ -120,6 +128,20 @@ def test_subclass_values_take_the_slow_path_and_pass() -> None:
                           prefill="p", decode="d")  # fmt: skip
     row = encode_event(event)
     assert payload_of(row)["mode"] == "push" and row.time == 1
+
+
+def test_trusted_rows_skip_only_the_per_id_check() -> None:
+    """`encode_trusted` writes the rows `encode_batch` writes; it does not look at each block
+    id, but an id that is no integer still sends its event to the core, which refuses it,
+    and every other field is checked as before."""
+    good = BlocksReserved(at=1.0, instance="p", blocks=tuple(range(40)), purpose="prefill")
+    assert encode_trusted([good, good]) == encode_batch([good, good])
+    for bad in (dataclasses.replace(good, blocks=(*range(39), 2.5)),
+                dataclasses.replace(good, blocks=(*range(39), "7")),
+                dataclasses.replace(good, purpose="nope"),  # type: ignore[arg-type]
+                dataclasses.replace(good, at=math.nan)):
+        with pytest.raises(EventRefused, match=r"event #12 \(BlocksReserved\)"):
+            encode_trusted([good, bad], first=11)
 
 
 def test_batch_refusal_names_index_and_type() -> None:
@@ -179,6 +201,28 @@ def test_packed_lists_give_back_every_list_exactly(lists: list[tuple[int, ...]])
 
 def _prefix_of(named: list[tuple[str, tuple[int, ...]]]) -> bytes:
     return b"\x01" + ",".join(n for n, _ in named).encode() + b":"
+
+
+_pool_ids = st.builds(  # long lists of ids in [0, 2**31): steps of 1, -1, short and far
+    lambda first, steps: tuple(accumulate(steps, initial=first)),
+    st.integers(0, 2**20),
+    st.lists(st.sampled_from([1, 1, 1, -1, -1, 0, 2, 255, 256, -255, 32767, -32768, 32768,
+                              -40000, 100_000]), min_size=15, max_size=600),
+).filter(lambda ids: min(ids) >= 0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_pool_ids, st.lists(st.integers(0, 2**31 - 1), min_size=16, max_size=80)
+                 .map(tuple), st.builds(lambda a, n: tuple(range(a, a + n)),
+                                        st.integers(0, 2**31 - 700), st.integers(16, 700))))
+def test_long_lists_of_pool_ids_pack_as_the_general_way_does(ids: tuple[int, ...]) -> None:
+    """The whole-list packing (big-integer lanes) makes exactly the bytes the id-by-id way
+    makes, and they give the list back."""
+    for each in (ids, (*ids[:-1], 2**31)):  # the second ends past int32: the general way
+        piece = _pack_ints(each)
+        assert piece == _pack_general(each)
+        if piece is not None:
+            assert unpack_lists(b"\x01blocks:" + piece) == {"blocks": list(each)}
 
 
 def test_lists_as_pools_hand_them_out_are_small_and_keep_their_order() -> None:

@@ -68,10 +68,15 @@ def test_null_and_list_recorders() -> None:
 
 # --- batching, on every backend -------------------------------------------------------------
 
+# Checking at the call (live connectors) and trusted (the simulator: flat batches).
+both_ways = pytest.mark.parametrize("trusted", [False, True], ids=["checked", "trusted"])
 
-def test_batching_recorder_drains_everything_on_close(store: EventStore) -> None:
+
+@both_ways
+def test_batching_recorder_drains_everything_on_close(store: EventStore, trusted: bool) -> None:
     run = store.create_run("sim", "drain")
-    recorder = BatchingRecorder(store, run, batch_size=256, flush_interval=30)
+    recorder = BatchingRecorder(store, run, batch_size=256, flush_interval=30,
+                                 trusted=trusted)
     assert isinstance(recorder, Recorder)
     events = [blocks(i) for i in range(10_007)]  # not a multiple of the batch size
     for event in events:
@@ -85,9 +90,11 @@ def test_batching_recorder_drains_everything_on_close(store: EventStore) -> None
         recorder.record(events[0])
 
 
-def test_batching_recorder_flush_makes_events_visible(store: EventStore) -> None:
+@both_ways
+def test_batching_recorder_flush_makes_events_visible(store: EventStore, trusted: bool) -> None:
     run = store.create_run("sim", "flush")
-    with BatchingRecorder(store, run, batch_size=1000, flush_interval=30) as recorder:
+    with BatchingRecorder(store, run, batch_size=1000, flush_interval=30,
+                                 trusted=trusted) as recorder:
         for i in range(10):
             recorder.record(blocks(i))
         recorder.flush()
@@ -97,12 +104,15 @@ def test_batching_recorder_flush_makes_events_visible(store: EventStore) -> None
     assert store.count(run) == 11
 
 
-def test_a_flush_amid_full_batches_writes_up_to_its_mark_in_order(store: EventStore) -> None:
+@both_ways
+def test_a_flush_amid_full_batches_writes_up_to_its_mark_in_order(store: EventStore,
+                                                                 trusted: bool) -> None:
     """The writer pops a batch at a time; a flush's mark inside one is where it stops, and
     what came after the mark is written next, in order."""
     run = store.create_run("sim", "marks")
     events = [blocks(i) for i in range(5_000)]
-    with BatchingRecorder(store, run, batch_size=700, flush_interval=30) as recorder:
+    with BatchingRecorder(store, run, batch_size=700, flush_interval=30,
+                          trusted=trusted) as recorder:
         recorded = 0
         for cut in (1_234, 1_235, 3_001, 5_000):
             for event in events[recorded:cut]:
@@ -139,9 +149,12 @@ def test_flushes_while_another_thread_records(store: EventStore) -> None:
     assert list(store.events(run)) == events
 
 
-def test_batching_recorder_writes_partial_batches_after_the_interval(store: EventStore) -> None:
+@both_ways
+def test_batching_recorder_writes_partial_batches_after_the_interval(store: EventStore,
+                                                                    trusted: bool) -> None:
     run = store.create_run("sim", "interval")
-    with BatchingRecorder(store, run, batch_size=1000, flush_interval=0.05) as recorder:
+    with BatchingRecorder(store, run, batch_size=1000, flush_interval=0.05,
+                           trusted=trusted) as recorder:
         for i in range(3):
             recorder.record(blocks(i))
         deadline = time.monotonic() + 10
@@ -180,6 +193,44 @@ def test_batching_recorder_refuses_bad_events_at_the_call(store: EventStore) -> 
     assert list(store.events(run)) == [blocks(0), blocks(1)]
 
 
+def test_a_trusted_recorder_writes_the_same_rows(store: EventStore) -> None:
+    """`trusted=True` (the simulator's events) batches rows flat, checked but for block ids:
+    the stored rows are byte for byte those of the checking recorder, and read back alike."""
+    events = every_type_samples(3) + [
+        BlocksReserved(at=2.0, instance="d0", request="r", blocks=ids, purpose="decode")
+        for ids in (tuple(range(5000, 6024)), tuple(range(9000, 8000, -1)),
+                    (*range(100, 400), *range(70_000, 70_500)), (3,), ())]
+    runs = []
+    for trusted in (False, True):
+        run = store.create_run("sim", f"trusted={trusted}")
+        with BatchingRecorder(store, run, batch_size=7, trusted=trusted) as recorder:
+            for event in events:
+                recorder.record(event)
+        assert list(store.events(run)) == events
+        runs.append(run)
+    query = text("SELECT seq, time, type, request, instance, blocks, payload, lists "
+                 "FROM events WHERE run = :run ORDER BY seq")
+    with store.engine.connect() as conn:
+        checked, trusted = (conn.execute(query, {"run": r}).all() for r in runs)
+    assert checked == trusted and len(checked) == len(events)
+
+
+def test_a_trusted_recorder_still_refuses_an_unfit_event_at_the_call(store: EventStore) -> None:
+    """Trusted skips only the per-id check of block lists: an event the core would refuse is
+    still `EventRefused` where it was recorded, and the rest is written."""
+    run = store.create_run("sim", "trusted-bad")
+    with BatchingRecorder(store, run, batch_size=3, flush_interval=30, trusted=True) as recorder:
+        for i in range(4):
+            recorder.record(blocks(i))
+        with pytest.raises(EventRefused, match="purpose"):
+            recorder.record(bad_event())
+        with pytest.raises(EventRefused, match="blocks"):
+            recorder.record(BlocksReserved(at=1.0, instance="p0", blocks=(*range(40), 2.5),  # type: ignore[arg-type]
+                                           purpose="prefill"))
+        recorder.record(blocks(4))
+    assert list(store.events(run)) == [blocks(i) for i in range(5)]
+
+
 def test_batching_recorder_needs_a_real_run(store: EventStore) -> None:
     with pytest.raises(RunNotFound):
         BatchingRecorder(store, "no-such-run")
@@ -188,9 +239,10 @@ def test_batching_recorder_needs_a_real_run(store: EventStore) -> None:
         BatchingRecorder(store, run, batch_size=0)
 
 
-def test_batching_recorder_reports_a_failed_writer(store: EventStore) -> None:
+@both_ways
+def test_batching_recorder_reports_a_failed_writer(store: EventStore, trusted: bool) -> None:
     run = store.create_run("sim", "doomed")
-    recorder = BatchingRecorder(store, run, batch_size=10, flush_interval=30)
+    recorder = BatchingRecorder(store, run, batch_size=10, flush_interval=30, trusted=trusted)
     recorder.record(blocks(0))
     recorder.flush()
     store.delete_run(run)  # the writer's next batch has no run to go to
