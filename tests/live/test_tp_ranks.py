@@ -159,6 +159,13 @@ class Side:
                         assert torch.equal(got, truth[li, h, tok].reshape(-1)), (
                             f"rank {r} layer {li} head {h} token {tok}")
 
+    def check_untouched_outside(self, blocks: tuple[int, ...]) -> None:
+        """Nothing outside `blocks` was written (the caches start zeroed) on any rank."""
+        for caches, _, _ in self.ranks:
+            for t in caches.values():
+                others = [b for b in range(t.shape[0]) if b not in blocks]
+                assert not t[others].any()
+
     def close(self) -> None:
         for _, _, tr in self.ranks:
             tr.close()
@@ -222,11 +229,7 @@ def test_ranks_and_block_sizes_move_every_token_to_its_place(
         runs = move(src, dst, src_blocks, dst_blocks, n, op)
         assert runs > 0
         dst.check(dst_blocks, n, truth)
-        # nothing outside the destination blocks was touched
-        for caches, _, _ in dst.ranks:
-            for t in caches.values():
-                others = [b for b in range(t.shape[0]) if b not in dst_blocks]
-                assert not t[others].any()
+        dst.check_untouched_outside(dst_blocks)
     finally:
         src.close()
         dst.close()
@@ -260,10 +263,7 @@ def test_blocks_descending_on_both_sides_move_as_one_range(
         src.fill(src_blocks, n, truth)
         assert move(src, dst, src_blocks, dst_blocks, n, op) > 0
         dst.check(dst_blocks, n, truth)
-        for caches, _, _ in dst.ranks:
-            for t in caches.values():
-                others = [b for b in range(t.shape[0]) if b not in dst_blocks]
-                assert not t[others].any()
+        dst.check_untouched_outside(dst_blocks)
     finally:
         src.close()
         dst.close()
