@@ -343,51 +343,9 @@ class DecodeCore(Machine[DecodeCommand]):
         ]
 
     def _notify(self, cmd: Notify, now: float) -> list[Event]:
-        key = (cmd.request, cmd.attempt)
-        e = self.entries.get(key)
-        pair = (cmd.src_rank, cmd.dst_rank)
-        if e is None or e.mode != "push" or e.phase not in ("awaiting_kv", "aborting"):
-            # late or stale: the wait already ended (time-out, failure) or the attempt is gone
-            return [
-                NotificationReceived(
-                    at=now,
-                    instance=self.instance,
-                    request=cmd.request,
-                    attempt=cmd.attempt,
-                    src_rank=cmd.src_rank,
-                    dst_rank=cmd.dst_rank,
-                    duplicate=True,
-                )
-            ]
-        if pair not in e.expected:
-            raise PeerError(
-                f"{cmd.request}: notification from stream {pair}, expected {sorted(e.expected)}"
-            )
-        dup = pair in e.received
-        out: list[Event] = [
-            NotificationReceived(
-                at=now,
-                instance=self.instance,
-                request=cmd.request,
-                attempt=cmd.attempt,
-                src_rank=cmd.src_rank,
-                dst_rank=cmd.dst_rank,
-                duplicate=dup,
-            )
-        ]
-        if not dup and len(e.received) + 1 == len(e.expected):
-            out.append(
-                KVReceived(
-                    at=now,
-                    instance=self.instance,
-                    request=cmd.request,
-                    attempt=cmd.attempt,
-                    num_tokens=e.num_tokens,
-                )
-            )
-            if e.phase == "aborting":
-                out += self._free(now, key, "aborted; transfer drained")
-        return out
+        # one pair of `_notify_many` (late or stale, after the wait ended: a duplicate)
+        return self._notify_many(
+            NotifyMany(cmd.request, cmd.attempt, ((cmd.src_rank, cmd.dst_rank),)), now)
 
     def _notify_many(self, cmd: NotifyMany, now: float) -> list[Event]:
         # `_notify` for each pair, against the state the earlier pairs' events leave: the
