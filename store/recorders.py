@@ -170,12 +170,15 @@ class BatchingRecorder:
                 self._batch = FlatRows()
                 self._wake.set()
 
-    def _hand_over(self) -> None:
-        """A trusted recorder's partial batch onto the queue (a flush, the interval)."""
+    def _hand_over(self, mark: _FlushMark | None = None) -> None:
+        """A trusted recorder's partial batch onto the queue (a flush, the interval), then
+        `mark` if given, after it under the same lock."""
         with self._batch_lock:
             if self._batch:
                 self._queue.append(self._batch)
                 self._batch = FlatRows()
+            if mark is not None:
+                self._queue.append(mark)
 
     def flush(self) -> None:
         """Wait until every event recorded so far is in the store."""
@@ -218,11 +221,7 @@ class BatchingRecorder:
         mark = _FlushMark()
         with self._marks_lock:
             self._marks += 1
-        with self._batch_lock:  # a partial batch goes before the mark
-            if self._batch:
-                self._queue.append(self._batch)
-                self._batch = FlatRows()
-            self._queue.append(mark)
+        self._hand_over(mark)  # a partial batch goes before the mark
         self._wake.set()
         while not mark.done.wait(0.05):
             if not self._thread.is_alive():
