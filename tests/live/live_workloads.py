@@ -198,18 +198,21 @@ def warm_up(cluster: Any, workloads: list[Workload]) -> None:
             history = toks + ids
 
 
-def start(suite: str = "live-prediction") -> Any:
-    """The cluster (no plain reference server): prefill, decode, the router on demand."""
+def start(suite: str = "live-prediction", model: Path | None = None,
+          server: type = _servers.VllmServer) -> Any:
+    """The cluster (no plain reference server): prefill, decode, the router on demand; the tiny
+    model on `servers.VllmServer` unless told otherwise (the GPU suite: its own model folder and
+    server flags)."""
     _servers.require_vllm()
-    model = _servers.helper("tiny_model").tiny_model_dir()
+    model = model or _servers.helper("tiny_model").tiny_model_dir()
     logs = _servers.log_dir(suite)
     db = logs / "events.db"
     run_id = f"{suite}-{uuid.uuid4().hex[:8]}"
     cfg = {"kvplane_db": str(db), "kvplane_run": run_id, "kv_recompute_threshold": 64,
            "decoder_kv_blocks_ttl": LEASE_TTL}
     env = {"KVPLANE_HANDLE_KEY": HANDLE_KEY}
-    prefill = _servers.VllmServer("prefill", model, logs, connector=dict(cfg), env=dict(env))
-    decode = _servers.VllmServer("decode", model, logs, connector=dict(cfg), env=dict(env))
+    prefill = server("prefill", model, logs, connector=dict(cfg), env=dict(env))
+    decode = server("decode", model, logs, connector=dict(cfg), env=dict(env))
     _servers.start_all([prefill, decode])
     print(f"\nvLLM and router logs and events in {logs}")
     return _servers.PdCluster(prefill, decode, prefill,
