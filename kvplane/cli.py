@@ -459,7 +459,7 @@ def calibrate_live(
             if scenario:
                 sc = sc.points()[0].scenario
             result = fit_live(store, info.id, sc.model, sc.hardware, calibration_for(sc), name,
-                              sc.engine.block_size)
+                              sc.engine.block_size, sc.link)
         except (RunNotFound, ScenarioError, ValueError) as exc:
             _fail(str(exc))
         for line in describe(result):

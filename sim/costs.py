@@ -496,6 +496,9 @@ class TransferCost:
         self.post_fixed = spec.post_fixed.value
         self.post_per_descriptor = spec.post_per_descriptor.value
         self.wire_per_descriptor = spec.wire_per_descriptor.value
+        measured = calibration.transfer_per_descriptor if calibration is not None else None
+        if measured is not None:  # measured live: the connector's post and the wire together
+            self.post_per_descriptor, self.wire_per_descriptor = 0.0, measured.value
         nixl = hardware.nixl
         self.prep_fixed = nixl.prep_fixed.value
         self.prep_per_descriptor = nixl.prep_per_descriptor.value

@@ -12,7 +12,8 @@ shared host only ever slows a hop:
 |---|---|
 | `request_leg` | router's arrival -> prefill scheduler's arrival, and router's relay -> decode scheduler's arrival (one leg each, pooled) |
 | `response_leg` | prefill's `PrefillFinished` -> the router's `MetadataRelayed` (prefill's answer through the router) |
-| `transfer_setup` | decode's P->D `TransferPlanned` -> `TransferCompleted`, less the bytes' time on the link |
+| `transfer_setup` | decode's P->D `TransferPlanned` -> `TransferCompleted`, less the bytes' time on the scenario's link: the intercept of a line through those (lower quintile per prompt length) against the transfers' descriptors |
+| `transfer_per_descriptor` | the slope of that line: what one descriptor adds (post and wire), which depends on the path (a copy inside one GPU, NVLink, EFA, UCX over TCP) more than any datasheet says |
 | `step_overhead` | an engine step's fixed part: the intercept of a line through prefill's one-step durations (lower quintile per prompt length) against their FLOPs (else the router's time per output token less a batch-1 step's arithmetic) |
 | `compute_utilization` | the slope of that line |
 | `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg; and a decode step: the time per output token after the first), recorded duration over priced cost: how much the host slowed that kind of hop, as all of them (the quantiles at probabilities i/(n-1)) |
@@ -28,7 +29,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvplane.store import EventStore
 
@@ -54,6 +55,7 @@ class _Trace:
     p2d_done: float | None = None
     p2d_bytes: int = 0
     p2d_runs: int = 0
+    p2d_descriptors: float = 0.0  # per stream (rank pair): what one post carries
     d2p: bool = False
     kv_received: float | None = None
     first_token: float | None = None
@@ -92,6 +94,8 @@ def _traces(store: EventStore, run_id: str) -> dict[str, _Trace]:
                 t.p2d_planned = e.at
                 t.p2d_bytes = e.bytes  # type: ignore[attr-defined]
                 t.p2d_runs = e.runs  # type: ignore[attr-defined]
+                t.p2d_descriptors = e.descriptors / max(  # type: ignore[attr-defined]
+                    1, e.expected_notifications)  # type: ignore[attr-defined]
         elif name == "TransferCompleted" and e.direction == "P->D":  # type: ignore[attr-defined]
             t.p2d_done = e.at
         elif name == "KVReceived":
@@ -134,6 +138,8 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
         if t.p2d_planned is not None and t.p2d_done is not None:
             hop("p2d_transfer", t.p2d_planned, t.p2d_done)
             out["p2d_bytes"].append(float(t.p2d_bytes))
+            out["p2d_descriptors"].append(t.p2d_descriptors)
+            out["p2d_tokens"].append(float(t.prompt))
         if t.kv_received is not None:
             hop("kv_to_first_token", t.kv_received, t.first_token)
             out["kv_context"].append(float(t.prompt))
@@ -167,9 +173,18 @@ def _fitted(value: float, unit: str, run_id: str, used: list[str], how: str) -> 
 QUIET = 0.2  # the quantile taken as a hop's uncontended cost
 
 
+def _line(pts: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through `pts`; a flat line where x does
+    not vary."""
+    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
+    return my - slope * mx, slope
+
+
 def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: HardwareProfile,
-             prior: CalibrationProfile, name: str | None = None, block_size: int = 16
-             ) -> LiveFit:
+             prior: CalibrationProfile, name: str | None = None, block_size: int = 16,
+             link: Literal["network", "nvlink"] = "network") -> LiveFit:
     """Fit the stack's constants of (model kind, hardware) from a recorded live run.
 
     Raises ValueError naming what the run lacks (no pull-mode request, no transfer, ...).
@@ -207,11 +222,22 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         slope = (sum(f * max(y - overhead, 0.0) for f, y in pts) / sum(f * f for f, _ in pts))
     peak = compute.flops_per_second / prior.compute_utilization.value
     mfu = min(max(1.0 / (slope * peak), 1e-6), 1.0) if slope > 0 else 1.0
-    wire = TransferCost(hardware, "network", prior)
-    setups = [d - wire.wire_time(b, 0) for d, b in zip(iv["p2d_transfer"], iv["p2d_bytes"],
-                                                        strict=True)]
-    leg, resp, setup = (max(_q(iv["request_leg"], QUIET), 0.0),
-                        max(_q(iv["response_leg"], QUIET), 0.0), max(_q(setups, QUIET), 0.0))
+    # a transfer = set-up + the bytes' time on the scenario's link + a cost per descriptor: a
+    # line through the lower quintiles (per prompt length) of what the bytes leave, against
+    # the descriptors; the bytes' rate is the link's (profile), the rest is this path's own
+    wire = TransferCost(hardware, link, prior)
+    rest: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for d, b, n, k in zip(iv["p2d_transfer"], iv["p2d_bytes"], iv["p2d_descriptors"],
+                          iv["p2d_tokens"], strict=True):
+        rest[int(k)].append((n, d - wire.wire_time(b, 0)))
+    tpts = [(statistics.median(n for n, _ in xs), _q([r for _, r in xs], QUIET))
+            for xs in rest.values()]
+    setup, per_desc = _line(tpts)
+    if per_desc < 0 or setup < 0:  # no line: one of the two alone
+        setup, per_desc = (max(_q([r for _, r in tpts], QUIET), 0.0), 0.0) if per_desc < 0 \
+            else (0.0, sum(n * r for n, r in tpts) / max(sum(n * n for n, _ in tpts), 1e-30))
+    per_desc = max(per_desc, 0.0)
+    leg, resp = max(_q(iv["request_leg"], QUIET), 0.0), max(_q(iv["response_leg"], QUIET), 0.0)
     # how much the host slowed every hop: measured over priced, pooled
     fitted_compute = prior.model_copy(update={
         "step_overhead": prior.step_overhead.model_copy(update={"value": overhead}),
@@ -220,8 +246,9 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
     pairs: dict[str, list[tuple[float, float]]] = {
         "request_leg": [(x, leg) for x in iv["request_leg"]],
         "response_leg": [(x, resp) for x in iv["response_leg"]],
-        "transfer": [(d, setup + wire.wire_time(b, 0))
-                     for d, b in zip(iv["p2d_transfer"], iv["p2d_bytes"], strict=True)],
+        "transfer": [(d, setup + wire.wire_time(b, 0) + n * per_desc)
+                     for d, b, n in zip(iv["p2d_transfer"], iv["p2d_bytes"],
+                                        iv["p2d_descriptors"], strict=True)],
         "prefill_step": [(d, priced.prefill_time(int(n)))
                          for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True)],
         "first_token": [(d, overhead + priced.decode_step_time(1, int(c)) + resp)
@@ -250,8 +277,13 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                                 f"lower quintile of {len(iv['response_leg'])} prefill answers "
                                 "(PrefillFinished -> MetadataRelayed)"),
         "transfer_setup": _fitted(setup, "s", run_id, ["p2d_transfer"],
-                                  f"lower quintile of {len(setups)} P->D transfers less their "
-                                  "bytes' time on the link"),
+                                  f"intercept of a line (least squares) through the lower "
+                                  f"quintiles of {len(tpts)} prompt lengths' P->D transfers "
+                                  f"less their bytes' time on the {link} link, against their "
+                                  "descriptors"),
+        "transfer_per_descriptor": _fitted(per_desc, "s", run_id, ["p2d_transfer"],
+                                           f"slope of that line ({len(iv['p2d_transfer'])} "
+                                           "transfers)"),
         "step_overhead": _fitted(overhead, "s", run_id, [overhead_from], (
             f"intercept of a line (least squares) through the lower quintiles of {len(pts)} "
             "prompt lengths' one-step prefills against their FLOPs"
@@ -283,8 +315,8 @@ def describe(fit: LiveFit) -> list[str]:
     for k, v in fit.measured.items():
         lines.append(f"  {k:<20} {v * 1e3:9.2f}")
     lines.append("constants:")
-    for k in ("request_leg", "response_leg", "transfer_setup", "step_overhead",
-              "compute_utilization"):
+    for k in ("request_leg", "response_leg", "transfer_setup", "transfer_per_descriptor",
+              "step_overhead", "compute_utilization"):
         c = getattr(fit.calibration, k)
         lines.append(f"  {k:<20} {c.value:.6g} {c.unit or ''}  ({c.source})")
     for kind, hs in fit.calibration.host_slowdown.items():

@@ -591,6 +591,12 @@ class CalibrationProfile(_Profile):
         "s", "fixed cost of one connector KV read or write besides the bytes: the side "
         "channel's pin round trip, NIXL's preparation and post, completion polling",
         default_factory=lambda: _not_fitted("transfer_setup"))
+    transfer_per_descriptor: Fitted | None = Field(
+        default=None, description="seconds one descriptor adds to a connector KV transfer "
+        "(its post and its wire time together), measured from a live run; when set it replaces "
+        "the link's post_per_descriptor + wire_per_descriptor (the hardware profile's figure "
+        "comes from another path: a copy inside one GPU costs less per descriptor than one "
+        "between two)")
     host_slowdown: dict[HopKind, HostSlowdown] = Field(
         default_factory=dict, description="per-hop slowdown of a shared host, by hop kind "
         "(empty: a dedicated host)")
@@ -602,7 +608,7 @@ class CalibrationProfile(_Profile):
 
     def constants(self) -> dict[str, Fitted]:
         return {name: getattr(self, name) for name, info in type(self).model_fields.items()
-                if info.annotation is Fitted}
+                if info.annotation in (Fitted, Fitted | None) and getattr(self, name) is not None}
 
     def fitted_figures(self, scenario: str | None = None) -> dict[str, list[str]]:
         """Figure id -> what was fitted to it (constant names, scenario fields)."""

@@ -83,7 +83,8 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
         lw.stop(cluster)
     with open_store(runs) as store:  # fitted from A alone
         fit = fit_live(store, "A", scenario.model, scenario.hardware,
-                       calibration_for(scenario), block_size=scenario.engine.block_size)
+                       calibration_for(scenario), block_size=scenario.engine.block_size,
+                       link=scenario.link)
     predicted = apply_calibration(scenario, fit.calibration)
     with open_store(runs) as store:
         res = predict(store, "B", predicted, SEEDS)
