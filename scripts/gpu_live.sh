@@ -30,7 +30,7 @@ prepare() {
   mkdir -p "$suite/tests/gpu" "$suite/tests/live" "$suite/scripts" \
     "$suite/debs"
   cp "$root/tests/gpu/gpu_live.py" "$root/tests/gpu/gpu_variants.py" \
-    "$root/tests/gpu/gpu_prediction.py" "$root/tests/gpu/gpu_prediction.yaml" \
+    "$root/tests/gpu/gpu_prediction.py" "$root"/tests/gpu/gpu_prediction*.yaml \
     "$root/tests/gpu/libfabric_probe.py" "$suite/tests/gpu/"
   cp "$root/tests/live/servers.py" "$root/tests/live/tiny_model.py" \
     "$root/tests/live/tiny_mla_model.py" "$root/tests/live/live_workloads.py" \

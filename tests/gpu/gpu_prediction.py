@@ -3,7 +3,8 @@
 The GPU counterpart of tests/live/test_live_prediction.py, on a dedicated H200 instead of the
 shared 2-core CPU machine, with a model of a size users serve:
 
-1. a Llama-3.1-8B-shaped model with random weights (`--load-format dummy`: the matmuls and the
+1. a Llama-3.1-8B-shaped model (KVPLANE_GPU_MODEL=dense8b, the default; `dense14b`: a
+   Qwen2.5-14B-shaped one, tests/gpu/gpu_prediction_dense14b.yaml) with random weights (`--load-format dummy`: the matmuls and the
    KV bytes of the real model; the vocabulary is the test tokenizer's 1,024, so nothing is
    downloaded), one prefill and one decode vLLM server (CUDA, bfloat16, block size 16, prefix
    caching off, eager), both on the one GPU the machine lends, KvplaneConnector over NIXL,
@@ -53,7 +54,20 @@ lw = _servers.helper("live_workloads")
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
-SCENARIO = Path(__file__).with_name("gpu_prediction.yaml")
+# KVPLANE_GPU_MODEL picks the model: its config.json fields over the tiny model's, and the
+# scenario stating its profile
+MODELS: dict[str, tuple[str, dict[str, object]]] = {
+    "dense8b": ("gpu_prediction.yaml", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128}),
+    "dense14b": ("gpu_prediction_dense14b.yaml", {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+        "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,
+        "num_key_value_heads": 8, "head_dim": 128, "use_sliding_window": False}),
+}
+MODEL = os.environ.get("KVPLANE_GPU_MODEL", "dense8b")
+SCENARIO = Path(__file__).with_name(MODELS[MODEL][0])
 SEEDS = 10
 TARGET = {0.5: 0.10, 0.9: 0.20}
 KV_BYTES = 8 << 30  # per server: two engines profiling one GPU count each other's memory
@@ -68,10 +82,10 @@ WORKLOAD_C = lw.Workload("C", "pull", 0, (768, 1280, 1792, 2304) * 48, max_token
 PREDICTED = (WORKLOAD_B, WORKLOAD_C)
 
 
-def dense8b_dir(root: Path) -> Path:
-    """The tiny model's tokenizer with Llama-3.1-8B's shapes in config.json, no weights."""
+def model_dir(root: Path) -> Path:
+    """The tiny model's tokenizer with MODEL's shapes in config.json, no weights."""
     tiny = _servers.helper("tiny_model").tiny_model_dir()
-    out = root / "llama-3.1-8b-shape-v1024"
+    out = root / MODEL
     if out.exists():
         return out
     out.mkdir(parents=True)
@@ -79,10 +93,7 @@ def dense8b_dir(root: Path) -> Path:
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
             shutil.copy(f, out / f.name)
     cfg = json.loads((tiny / "config.json").read_text())
-    cfg.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                "max_position_embeddings": 8192,
+    cfg.update({**MODELS[MODEL][1], "max_position_embeddings": 8192,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"})
     cfg.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -105,7 +116,7 @@ class GpuServer(_servers.VllmServer):  # type: ignore[misc]
         for flag, value in (("--dtype", "bfloat16"), ("--max-model-len", "4096"),
                             ("--max-num-seqs", "16"), ("--block-size", "16"),
                             ("--max-num-batched-tokens", "4096"), ("--load-format", "dummy"),
-                            ("--gpu-memory-utilization", "0.3"),
+                            ("--gpu-memory-utilization", "0.4"),
                             ("--kv-cache-memory-bytes", str(KV_BYTES))):
             _set(cmd, flag, value)
         return cmd
@@ -125,7 +136,7 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     from kvplane.store import open_store
 
     scenario = load_scenario(SCENARIO)
-    model = dense8b_dir(_servers.log_dir("gpu-prediction-model"))
+    model = model_dir(_servers.log_dir("gpu-prediction-model"))
     cluster = lw.start("gpu-prediction", model=model, server=GpuServer)
     runs_db = cluster.logs / "runs.db"
     runs = f"sqlite:///{runs_db}"

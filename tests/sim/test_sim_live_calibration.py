@@ -165,3 +165,45 @@ def test_host_slowdown_of_decode_steps_stretches_the_output_not_the_first_token(
         "decode_step": HostSlowdown(quantiles=[4.0, 4.0], source="synthetic: for the test")}}))
     assert slow_tpot == pytest.approx(4 * tpot, rel=1e-6)
     assert slow_ttft == pytest.approx(ttft, rel=1e-6)
+
+
+def test_a_measured_per_descriptor_cost_replaces_the_links() -> None:
+    from kvplane.sim.costs import TransferCost
+    from kvplane.sim.profiles import Fitted
+
+    sc = load_scenario("live_sample_cpu")
+    base = base_calibration()
+    link = TransferCost(sc.hardware, sc.link, base)
+    per = sc.hardware.links[sc.link]
+    assert link.post_per_descriptor == per.post_per_descriptor.value
+    measured = base.model_copy(update={"transfer_per_descriptor": Fitted(
+        value=3e-6, unit="s", source="synthetic: the test's")})
+    fitted = TransferCost(sc.hardware, sc.link, measured)
+    assert (fitted.post_per_descriptor, fitted.wire_per_descriptor) == (0.0, 3e-6)
+    # 1,000 descriptors: the wire time grows by exactly 1,000 x 3 us more than no descriptors
+    assert fitted.wire_time(1e6, 1000) - fitted.wire_time(1e6, 0) == pytest.approx(3e-3)
+    assert "transfer_per_descriptor" in measured.constants()
+    assert "transfer_per_descriptor" not in base.constants()
+
+
+def test_fit_live_prices_transfers_on_the_scenarios_link(live_db: str) -> None:
+    """The set-up and per-descriptor cost are fitted as the twin then prices them: on the
+    scenario's link, with each transfer's recorded descriptors."""
+    from kvplane.sim.costs import TransferCost
+    from kvplane.store import open_store
+
+    sc: Scenario = load_scenario("live_sample_cpu")
+    with open_store(live_db) as store:
+        fit = fit_live(store, "live-sample", sc.model, sc.hardware, base_calibration(),
+                       block_size=sc.engine.block_size, link=sc.link)
+        iv = intervals(store, "live-sample")
+    cal = fit.calibration
+    per = cal.transfer_per_descriptor
+    assert per is not None and per.value >= 0 and cal.transfer_setup.value >= 0
+    assert per.fitted_to == ["live:live-sample:p2d_transfer"]
+    link = TransferCost(sc.hardware, sc.link, cal)
+    priced = [cal.transfer_setup.value + link.wire_time(b, round(n))
+              for b, n in zip(iv["p2d_bytes"], iv["p2d_descriptors"], strict=True)]
+    # the fitted line sits at the quiet (lower) end of the recorded transfers
+    below = sum(p <= d + 1e-9 for p, d in zip(priced, iv["p2d_transfer"], strict=True))
+    assert below >= len(priced) // 2
