@@ -18,7 +18,7 @@ In one session on this machine:
    compute efficiency, and the host's per-hop slowdown distribution, split by the host's run
    queue sampled when each of A's hops began);
 4. simulate B's twin (its recorded arrivals and the host's run queue sampled during B's
-   blocks, nothing else from B) under the fitted calibration, over 10 seeds, each hop's
+   blocks, nothing else from B) under the fitted calibration, over 30 seeds, each hop's
    slowdown drawn given the run queue at its simulated time, and compare the TTFT
    percentiles with the router's recorded ones.
 
@@ -46,7 +46,9 @@ import pytest
 pytestmark = [pytest.mark.live, pytest.mark.timeout(900)]
 
 lw = kvplane_live_servers.helper("live_workloads")
-SEEDS = 10
+# twins pooled: with 10, the simulator's own draw moved A's own twin's p90 by about 5 % from
+# one set of seeds to another (docs/validation.md), as much as the margin of its check
+SEEDS = 30
 TARGET = {0.5: 0.10, 0.9: 0.20}
 
 
