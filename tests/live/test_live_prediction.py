@@ -132,7 +132,7 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
     # least (else a failure); within the target of the percentile itself for a pass
     # B's verdict: the target is met in some sessions and not in others on this shared host
     # (docs/validation.md: with the slowdown split by the host's run queue, the p50 within
-    # 10 % in 3 of 9 sessions, the p90 within 20 % in 6 of 9, as with the pooled one): a
+    # 10 % in 3 of 10 sessions, the p90 within 20 % in 7 of 10, as with the pooled one): a
     # miss is an expected failure that names its kind and the host it met, never a silent pass
     missed = [v for v in verdicts.values() if v != "pass"]
     if missed:
