@@ -438,11 +438,19 @@ def calibrate_live(
         help="Another recorded run to predict with the fit: its twins' TTFT percentiles "
         "against its recorded ones.")] = None,
     seeds: Annotated[int, typer.Option(help="Twins (seeds) pooled for --predict.")] = 20,
+    host_samples: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="JSON file of the host's run-queue samples per run ({run: [[time, run queue, "
+        "...], ...]}, or a live test's prediction.json with them under host_samples); "
+        "default: the runs' own meta.host_samples.")] = None,
 ) -> None:
     """Fit a (model kind, hardware) calibration from a recorded live run: the router's request
     and response legs, the connector's per-transfer set-up, the engine's step overhead and
     compute efficiency, and the host's per-hop delay, each measured from the run's events, and
-    record which run and intervals each value came from."""
+    record which run and intervals each value came from. With the host's run queue sampled
+    during the runs, the delay is split by it and the twin of --predict follows its own run's
+    samples."""
+    import json
+
     import yaml
 
     from kvplane.sim.calibration import apply_calibration, calibration_for
@@ -452,6 +460,19 @@ def calibrate_live(
     from kvplane.sim.replay_sim import scenario_for_run
     from kvplane.store import RunNotFound, open_store
 
+    samples: dict[str, list[list[float]]] = {}
+    if host_samples is not None:
+        try:
+            loaded = json.loads(host_samples.read_text())
+            samples = loaded.get("host_samples", loaded)
+        except (OSError, ValueError, AttributeError) as exc:
+            _fail(f"--host-samples {host_samples}: {exc}")
+        if not isinstance(samples, dict):
+            _fail(f"--host-samples {host_samples}: not an object of run -> samples")
+        for want in (run, predict):
+            if want is not None and want not in samples:
+                _fail(f"--host-samples {host_samples}: no samples for run {want!r} (it has "
+                      f"{', '.join(sorted(samples)) or 'none'})")
     with open_store(db) as store:
         try:
             info = store.run(run)
@@ -459,7 +480,7 @@ def calibrate_live(
             if scenario:
                 sc = sc.points()[0].scenario
             result = fit_live(store, info.id, sc.model, sc.hardware, calibration_for(sc), name,
-                              sc.engine.block_size, sc.link)
+                              sc.engine.block_size, sc.link, host_samples=samples.get(run))
         except (RunNotFound, ScenarioError, ValueError) as exc:
             _fail(str(exc))
         for line in describe(result):
@@ -467,7 +488,8 @@ def calibrate_live(
         if predict is not None:
             try:
                 pred = predict_run(store, store.run(predict).id,
-                                   apply_calibration(sc, result.calibration), seeds)
+                                   apply_calibration(sc, result.calibration), seeds,
+                                   host_samples=samples.get(predict))
             except (RunNotFound, ScenarioError, ValueError) as exc:
                 _fail(str(exc))
             for line in pred.lines():

@@ -655,7 +655,9 @@ class SimCosts:
       per answer through the router (prefill's in pull mode, the first token to the client),
       `transfer_setup()` per connector transfer (P->D, and a reuse read's D->P).
       `host_slowdown_quantiles()` is the calibration's per-hop slowdown on a shared host; the
-      engine draws from it (seeded), since costs here stay free of randomness.
+      engine draws from it (seeded), since costs here stay free of randomness;
+      `host_state_bins()` the same factors split by the host's sampled run queue, drawn by
+      the engine given the run queue recorded at a hop's time when the run has samples.
     """
 
     def __init__(
@@ -814,6 +816,18 @@ class SimCosts:
         """The calibration's host slowdown per hop kind, as quantiles (none: a dedicated
         host)."""
         return {k: tuple(v.quantiles) for k, v in self.calibration.host_slowdown.items()}
+
+    def host_state_bins(self) -> tuple[float, tuple[float, ...],
+                                        dict[str, tuple[tuple[float, ...], ...]]] | None:
+        """The calibration's slowdown conditioned on the host's state: (averaging window in
+        s, bin edges of the run queue, per hop kind its factors per bin); None when the
+        calibration has no `host_state` (every hop draws from all factors of its kind)."""
+        state = self.calibration.host_state
+        if state is None:
+            return None
+        return state.window, tuple(state.edges), {
+            k: tuple(tuple(q) for q in v.by_state)
+            for k, v in self.calibration.host_slowdown.items() if v.by_state}
 
     def layout(self, side: Literal["prefill", "decode"]) -> KVLayout:
         """The core's KVLayout of one side."""

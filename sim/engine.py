@@ -75,6 +75,8 @@ from kvplane.core.plan import KVLayout, fan_out
 from kvplane.core.reuse import RetainedHandle
 from kvplane.core.routing import Load, Policy, choose_ranked
 
+from .host_state import HostTimeline, state_bin
+
 Record = Callable[[Event], None]
 
 
@@ -101,6 +103,8 @@ class Costs(Protocol):
     def response_leg(self) -> float: ...
     def transfer_setup(self) -> float: ...
     def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]: ...
+    def host_state_bins(self) -> tuple[float, tuple[float, ...],
+                                        dict[str, tuple[tuple[float, ...], ...]]] | None: ...
     def empty_step_time(self) -> float: ...
 
 
@@ -1971,6 +1975,8 @@ class Simulation:
         self.env = simpy.Environment()
         self.rec: Record = record or (lambda e: None)
         self._host_quantiles = costs.host_slowdown_quantiles()
+        self._host_bins = costs.host_state_bins()
+        self._host_timeline: HostTimeline | None = None
         self.slowed_steps = "decode_step" in self._host_quantiles
         self._host_rng = np.random.default_rng(self.seed_for("host"))
         self.requests: dict[str, SimRequest] = {}
@@ -1985,14 +1991,26 @@ class Simulation:
                         for i in range(cfg.num_decode)}
         self.router = Router(self)
 
+    def follow_host(self, timeline: HostTimeline) -> None:
+        """Draw each hop's slowdown given the host's state at its simulated time: `timeline`
+        holds the run queue sampled during the recorded run being simulated, its times in
+        simulated seconds. Without it, or with a calibration that has no `host_state`, a
+        hop draws from all the factors of its kind."""
+        self._host_timeline = timeline
+
     def hop(self, cost: float, kind: str) -> float:
         """How long a hop of priced `cost` takes on the host: the cost itself on a dedicated
         host; on a shared one, slowed by one draw of the calibration's slowdown of hops of
         that kind (request_leg, response_leg, prefill_step, transfer, first_token,
-        decode_step)."""
+        decode_step): of those recorded while the host's run queue was in the bin it is in
+        now (`follow_host`), or of all of them."""
         q = self._host_quantiles.get(kind, ())
         if not q or cost <= 0:
             return cost
+        if self._host_bins is not None and self._host_timeline is not None:
+            _, edges, tables = self._host_bins
+            if kind in tables:
+                q = tables[kind][state_bin(edges, self._host_timeline.at(self.env.now))]
         x = self._host_rng.random() * (len(q) - 1)  # inverse CDF, linear between quantiles
         i = min(int(x), len(q) - 2)
         return cost * (q[i] + (q[i + 1] - q[i]) * (x - i))

@@ -28,13 +28,22 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvplane.store import EventStore
 
 from .costs import ComputeCost, TransferCost
-from .profiles import CalibrationProfile, Fitted, HardwareProfile, HostSlowdown, ModelProfile
+from .host_state import HostTimeline, state_bin
+from .profiles import (
+    CalibrationProfile,
+    Fitted,
+    HardwareProfile,
+    HostSlowdown,
+    HostState,
+    ModelProfile,
+)
 
 __all__ = ["LiveFit", "Prediction", "describe", "fit_live", "intervals", "percentile", "predict"]
 
@@ -112,11 +121,13 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
     """The run's measured intervals (seconds), one list per kind, over the pull-mode requests
     without a reuse read; also `ttft` and `tpot` as the router recorded them, and
     `decode_token`: the router's time from the first token to the last over the tokens made
-    after the first."""
+    after the first. `at:<kind>` holds, in the same order, when each hop of `<kind>` began
+    (seconds since the epoch)."""
     out: dict[str, list[float]] = defaultdict(list)
 
     def hop(kind: str, start: float, end: float) -> None:
         out[kind].append(end - start)
+        out[f"at:{kind}"].append(start)  # when it began (the host's state then)
 
     for t in _traces(store, run_id).values():
         router = t.arrived.get("router")
@@ -145,6 +156,7 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
             out["kv_context"].append(float(t.prompt))
         if t.finished is not None and t.max_tokens > 1:  # after the first token, per token
             out["decode_token"].append((t.finished - t.first_token) / (t.max_tokens - 1))
+            out["at:decode_token"].append(t.first_token)
             out["decode_context"].append(float(t.prompt + t.max_tokens / 2))
     return dict(out)
 
@@ -182,11 +194,60 @@ def _line(pts: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+# the host's state a hop's slowdown is conditioned on (chosen on the sessions of 15:59-17:24,
+# reported on those of 17:52-20:55 unchanged: docs/validation.md)
+HOST_WINDOW = 1.0  # s either side of a hop's start: the run queue averaged over it
+HOST_BINS = 3  # equally populated by the calibration run's hops
+MIN_PER_BIN = 8  # fewer hops of a kind in a bin: it borrows its neighbours'
+MIN_HOST_SAMPLES = 20  # fewer samples: no conditioning
+
+
+def _host_state(run_id: str, factors: dict[str, list[tuple[float, float]]],
+                samples: Sequence[Sequence[float]] | None
+                ) -> tuple[HostState | None, HostTimeline | None]:
+    """Bins of the host's run queue, cut so the run's hops fill them equally (None without
+    enough samples)."""
+    if not samples or len(samples) < MIN_HOST_SAMPLES:
+        return None, None
+    timeline = HostTimeline.from_samples(samples, HOST_WINDOW)
+    xs = sorted(timeline.at(at) for fs in factors.values() for _, at in fs)
+    edges = sorted({_q(xs, i / HOST_BINS) for i in range(1, HOST_BINS)}) if xs else []
+    if not edges:
+        return None, None
+    return HostState(
+        window=HOST_WINDOW, edges=edges, fitted_to=[f"live:{run_id}:host_samples"],
+        source=f"calibrated: kvplane calibrate live {run_id}, {len(samples)} run-queue samples "
+               f"averaged over {HOST_WINDOW:g} s either side of each hop's start, cut into "
+               f"{len(edges) + 1} bins holding equal shares of the run's hops"), timeline
+
+
+def _by_state(xf: list[tuple[float, float]], edges: list[float]) -> list[list[float]]:
+    """The factors (run queue, factor) split by bin, ascending; a bin with fewer than
+    MIN_PER_BIN hops takes its nearest neighbours' too."""
+    bins: list[list[float]] = [[] for _ in range(len(edges) + 1)]
+    for x, f in xf:
+        bins[state_bin(edges, x)].append(f)
+    whole = sorted(f for _, f in xf)
+    out = []
+    for i in range(len(bins)):
+        got, k = list(bins[i]), 1
+        while len(got) < MIN_PER_BIN and k < len(bins):
+            got += [f for j in (i - k, i + k) if 0 <= j < len(bins) for f in bins[j]]
+            k += 1
+        got = sorted(got) if len(got) >= 2 else whole
+        out.append(got if len(got) > 1 else got * 2)
+    return out
+
+
 def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: HardwareProfile,
              prior: CalibrationProfile, name: str | None = None, block_size: int = 16,
-             link: Literal["network", "nvlink"] = "network") -> LiveFit:
+             link: Literal["network", "nvlink"] = "network",
+             host_samples: Sequence[Sequence[float]] | None = None) -> LiveFit:
     """Fit the stack's constants of (model kind, hardware) from a recorded live run.
 
+    `host_samples` (`[time, run queue, ...]`; default: the run's `meta.host_samples`) is the
+    host's state during the run: with enough of them the slowdown is also split by the run
+    queue when each hop began (`host_state`, `HostSlowdown.by_state`).
     Raises ValueError naming what the run lacks (no pull-mode request, no transfer, ...).
     """
     iv = intervals(store, run_id)
@@ -257,17 +318,32 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                         for d, c in zip(iv.get("decode_token", []), iv.get("decode_context", []),
                                         strict=True)],
     }
+    began = {"request_leg": iv["at:request_leg"], "response_leg": iv["at:response_leg"],
+             "transfer": iv["at:p2d_transfer"], "prefill_step": iv["at:prefill_step"],
+             "first_token": iv["at:kv_to_first_token"],
+             "decode_step": iv.get("at:decode_token", [])}
+    factors = {kind: [(max(x, 0.0) / cost, at) for (x, cost), at in zip(xs, began[kind],
+                                                                         strict=True) if cost > 0]
+               for kind, xs in pairs.items()}
+    if host_samples is None:
+        host_samples = store.run(run_id).meta.get("host_samples") or None
+    state, timeline = _host_state(run_id, factors, host_samples)
     # every recorded factor is kept, ascending (the quantiles at probabilities i/(n-1)): a
     # coarse table (21 quantiles) interpolates its top 5 % of draws between the 95th percentile
     # and the run's one worst stall, so one 20 s stall among 192 hops weighed as 5 % of draws
     slowdown: dict[str, HostSlowdown] = {}
-    for kind, xs in pairs.items():
-        slow = sorted(max(x, 0.0) / cost for x, cost in xs if cost > 0)
+    for kind, fs in factors.items():
+        slow = sorted(f for f, _ in fs)
         if slow:
+            by_state = ([] if state is None or timeline is None else
+                        _by_state([(timeline.at(at), f) for f, at in fs], state.edges))
             slowdown[kind] = HostSlowdown(
-                quantiles=slow if len(slow) > 1 else slow * 2, fitted_to=[f"live:{run_id}:{kind}"],
+                quantiles=slow if len(slow) > 1 else slow * 2, by_state=by_state,
+                fitted_to=[f"live:{run_id}:{kind}"],
                 source=f"calibrated: kvplane calibrate live {run_id}, {len(slow)} {kind} hops' "
-                       "recorded duration over their priced cost, every one")
+                       "recorded duration over their priced cost, every one" + (
+                           ", and split by the host's run queue when each began"
+                           if by_state else ""))
     n = len(iv["ttft"])
     upd: dict[str, object] = {
         "request_leg": _fitted(leg, "s", run_id, ["request_leg"],
@@ -298,6 +374,7 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         "prefill_request_overhead": Fitted(value=0.0, unit="s", source=(
             f"derived: kvplane calibrate live {run_id}: the recorded legs replace it")),
         "host_slowdown": slowdown,
+        "host_state": state,
     }
     kept = ["memory_bandwidth_utilization", "network_utilization", "reuse_read_setup"]
     cal = prior.model_copy(update={
@@ -323,6 +400,14 @@ def describe(fit: LiveFit) -> list[str]:
         q = hs.quantiles
         lines.append(f"  host_slowdown {kind:<13} p10 {_q(q, 0.1):.2f}x p50 {_q(q, 0.5):.2f}x "
                      f"p90 {_q(q, 0.9):.2f}x max {q[-1]:.2f}x")
+    state = fit.calibration.host_state
+    if state is not None:
+        lines.append(f"  host_state: run queue over +-{state.window:g} s, bins cut at "
+                     + ", ".join(f"{e:.1f}" for e in state.edges) + f" ({state.source})")
+        for kind, hs in fit.calibration.host_slowdown.items():
+            lines.append(f"  by run queue  {kind:<13} p50 " + " / ".join(
+                f"{_q(q, 0.5):.2f}x" for q in hs.by_state) + "  p90 " + " / ".join(
+                f"{_q(q, 0.9):.2f}x" for q in hs.by_state))
     lines.append(f"kept from the prior: {', '.join(fit.kept)}")
     return lines
 
@@ -373,9 +458,11 @@ class Prediction:
         return out
 
 
-def predict(store: EventStore, run_id: str, scenario: Any, seeds: int = 10) -> Prediction:
+def predict(store: EventStore, run_id: str, scenario: Any, seeds: int = 10,
+            host_samples: Sequence[Sequence[float]] | None = None) -> Prediction:
     """Twin a recorded run `seeds` times under `scenario` (its calibration included) and pool
-    the twins' TTFTs; the recorded TTFTs are the router's."""
+    the twins' TTFTs; the recorded TTFTs are the router's. `host_samples` (default: the run's
+    own) is the host's run queue during the recorded run, an input like its arrivals."""
     from .replay_sim import replay_into_sim
 
     live = [e.ttft for e in store.events(run_id, ["RequestFinished"])  # type: ignore[attr-defined]
@@ -386,7 +473,8 @@ def predict(store: EventStore, run_id: str, scenario: Any, seeds: int = 10) -> P
     twins: list[str] = []
     twin_reads = 0
     for seed in range(seeds):
-        twin = replay_into_sim(store, run_id, scenario.model_copy(update={"seed": seed}))
+        twin = replay_into_sim(store, run_id, scenario.model_copy(update={"seed": seed}),
+                               host_samples=host_samples)
         twins.append(twin)
         pred += [e.ttft for e in store.events(twin, ["RequestFinished"])]  # type: ignore[attr-defined]
         twin_reads += sum(1 for e in store.events(twin, ["ReuseDecided"])

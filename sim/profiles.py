@@ -34,6 +34,7 @@ __all__ = [
     "Fitted",
     "HardwareProfile",
     "HostSlowdown",
+    "HostState",
     "LinkProfile",
     "MLASpec",
     "MoESpec",
@@ -538,14 +539,40 @@ class HostSlowdown(_Strict):
     """
 
     quantiles: list[float] = Field(min_length=2, description="factors, ascending [1]")
+    by_state: list[list[float]] = Field(
+        default_factory=list, description="the same factors split by the host's state when "
+        "the hop began (the calibration's `host_state` bins, lowest first), each ascending "
+        "[1]; empty: not conditioned")
     source: str = Field(description="'calibrated: ...', how it was measured")
     fitted_to: list[str] = Field(default_factory=list, description="what it was measured from")
 
     @model_validator(mode="after")
     def _ascending(self) -> HostSlowdown:
-        q = self.quantiles
-        if any(b < a for a, b in itertools.pairwise(q)) or q[0] < 0:
-            raise ValueError("quantiles must be ascending and not negative")
+        for q in (self.quantiles, *self.by_state):
+            if len(q) < 2 or any(b < a for a, b in itertools.pairwise(q)) or q[0] < 0:
+                raise ValueError("quantiles must be ascending and not negative (two at least)")
+        return self
+
+
+class HostState(_Strict):
+    """What a shared host's state is, for a slowdown conditioned on it: the host's run queue
+    (`procs_running` of /proc/stat: threads running or ready to run), sampled during a run
+    and averaged over `window` seconds either side of a hop's start, cut into bins at `edges`.
+    A hop's slowdown is then drawn from the factors recorded in its bin (`HostSlowdown.
+    by_state`), given the run queue sampled while the simulated run is the recorded one; a run
+    without samples draws from all of them (`quantiles`)."""
+
+    signal: Literal["run_queue"] = Field(default="run_queue", description="what was sampled")
+    window: float = Field(gt=0, description="half-width of the averaging window [s]")
+    edges: list[float] = Field(min_length=1, description="bin edges of the averaged run "
+                               "queue, ascending (n edges: n + 1 bins)")
+    source: str = Field(description="'calibrated: ...', how the bins were chosen")
+    fitted_to: list[str] = Field(default_factory=list, description="what it was measured from")
+
+    @model_validator(mode="after")
+    def _strictly_ascending(self) -> HostState:
+        if any(b <= a for a, b in itertools.pairwise(self.edges)):
+            raise ValueError("host_state edges must be strictly ascending")
         return self
 
 
@@ -600,11 +627,23 @@ class CalibrationProfile(_Profile):
     host_slowdown: dict[HopKind, HostSlowdown] = Field(
         default_factory=dict, description="per-hop slowdown of a shared host, by hop kind "
         "(empty: a dedicated host)")
+    host_state: HostState | None = Field(
+        default=None, description="the host's state the slowdown is conditioned on (none: "
+        "drawn from all recorded factors of the hop kind)")
     scenario_choices: list[ScenarioChoice] = Field(
         default_factory=list,
         description="scenario inputs chosen with published figures in view (their figures "
         "count as fitted too)",
     )
+
+    @model_validator(mode="after")
+    def _bins_match(self) -> CalibrationProfile:
+        bins = len(self.host_state.edges) + 1 if self.host_state is not None else 0
+        for kind, hs in self.host_slowdown.items():
+            if hs.by_state and len(hs.by_state) != bins:
+                raise ValueError(f"host_slowdown.{kind}.by_state has {len(hs.by_state)} "
+                                 f"tables; host_state has {bins} bins")
+        return self
 
     def constants(self) -> dict[str, Fitted]:
         return {name: getattr(self, name) for name, info in type(self).model_fields.items()

@@ -52,6 +52,7 @@ from .config import (
 )
 from .costs import SimCosts
 from .engine import Simulation
+from .host_state import HostTimeline
 from .metrics import summarize
 from .profiles import load_profile
 from .runner import engine_config, feed, serve_history
@@ -322,22 +323,31 @@ def replay_into_sim(
     mode: str | None = None,
     bidirectional: bool | None = None,
     progress: Progress | None = None,
+    host_samples: Sequence[Sequence[float]] | None = None,
 ) -> str:
     """Re-simulate a recorded run's arrivals; store the twin (kind `replay`, parent = the run).
 
+    `host_samples` (`[time, run queue, ...]`, the events' clock; default: the run's own
+    `meta.host_samples`, where a live run on a shared host kept them) is the host's state
+    during the recorded run: with a calibration conditioned on it (`host_state`), each hop's
+    slowdown is drawn given the run queue at the hop's simulated time (sim/host_state.py).
     Returns the new run's id. Raises `RunNotFound` for an unknown run, ScenarioError when no
     scenario can be found or the run holds no `RequestArrived` event.
     """
     if isinstance(db, EventStore):
-        return _replay(db, run_id, scenario, profiles, mode, bidirectional, progress)
+        return _replay(db, run_id, scenario, profiles, mode, bidirectional, progress,
+                       host_samples)
     with open_store(db) as store:
-        return _replay(store, run_id, scenario, profiles, mode, bidirectional, progress)
+        return _replay(store, run_id, scenario, profiles, mode, bidirectional, progress,
+                       host_samples)
 
 
 def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | None,
             profiles: Sequence[str | Path], mode: str | None, bidirectional: bool | None,
-            progress: Progress | None) -> str:
+            progress: Progress | None, host_samples: Sequence[Sequence[float]] | None) -> str:
     run = store.run(run_id)
+    if host_samples is None:
+        host_samples = run.meta.get("host_samples") or None
     history: tuple[Point, ...] = ()
     if scenario is None:
         sc, seed, history = _scenario_and_seed(store, run)
@@ -377,6 +387,12 @@ def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | No
         # a simulated sweep point whose servers served the sweep before it: the same history
         serve_history(sim, point, cfg.decode_layout.block_size)
         begin = sim.env.now
+        bins = costs.host_state_bins()
+        followed = 0
+        if host_samples and bins is not None:  # the host's state as the recorded run met it
+            sim.follow_host(HostTimeline.from_samples(host_samples, bins[0],
+                                                      shift=begin - recorded[0].arrival))
+            followed = len(host_samples)
         done = feed(sim, reqs, cfg.decode_layout.block_size, ids=ids,
                     tenants=[r.tenant for r in recorded],
                     conversations=[r.conversation for r in recorded], start=begin)
@@ -387,7 +403,8 @@ def _replay(store: EventStore, run_id: str, scenario: str | Path | Scenario | No
         wall = time.perf_counter() - wall
     finally:
         rec.close()
-    _set_meta(store, twin, {"summary": _summary(sim, 0.0, wall, simulated)})
+    _set_meta(store, twin, {"summary": _summary(sim, 0.0, wall, simulated),
+                            "host_samples_followed": followed})
     return twin
 
 

@@ -17,10 +17,13 @@ own recorded run: the calibration set (A) and the workload predicted from it (B)
   workloads draw the same host: on a shared machine the other users' load moves within minutes,
   and two runs recorded one after the other see different hosts.
 - `HostSampler` samples the host's run queue (`procs_running` of /proc/stat) and load average
-  during each workload's blocks: the host condition each saw, for the report.
+  during each workload's blocks, stamped with the wall clock: the host's state each saw, an
+  input of the calibration and the twins, and the report's.
 - `keep_run` copies the events of one workload's requests (router and both connectors, by
-  request id) into a run of its own, with the scenario it ran under in `meta.scenario`, so
-  `kvplane calibrate live` and `kvplane twin` take it as any recorded run.
+  request id) into a run of its own, with the scenario it ran under in `meta.scenario` and the
+  host's samples during its blocks in `meta.host_samples`, so `kvplane calibrate live` and
+  `kvplane twin` take it as any recorded run (the calibration splits the host's slowdown by
+  the run queue; a twin draws each hop given the run queue sampled at its time).
 
 Starts are open loop (a fixed schedule), so a twin that replays the recorded arrivals sees
 the same arrival process; requests may overlap when the host is slow, in both.
@@ -244,8 +247,11 @@ def settle(db: Path, run_id: str, ids: list[str], timeout: float = 30.0) -> None
 
 
 def keep_run(src_db: Path, src_run: str, ids: list[str], dst: str, run_id: str,
-             scenario: dict[str, Any]) -> str:
-    """Copy the events of requests `ids` (every instance's) into run `run_id` of store `dst`."""
+             scenario: dict[str, Any],
+             host_samples: list[tuple[float, int, float]] | None = None) -> str:
+    """Copy the events of requests `ids` (every instance's) into run `run_id` of store `dst`;
+    `host_samples` (the HostSampler's of the workload's blocks) go into its `meta`, where
+    `kvplane calibrate live` and a twin read the host's state during the run."""
     from kvplane.store import open_store
 
     keep = set(ids)
@@ -255,7 +261,8 @@ def keep_run(src_db: Path, src_run: str, ids: list[str], dst: str, run_id: str,
     with open_store(dst) as store:
         rid = store.create_run("live", f"live:{run_id}", run_id=run_id,
                                meta={"driver": "vllm", "connector": "KvplaneConnector",
-                                     "scenario": scenario, "requests": len(ids)})
+                                     "scenario": scenario, "requests": len(ids),
+                                     "host_samples": [list(x) for x in host_samples or []]})
         store.append(rid, events)
     if dst.startswith("sqlite:///"):
         with sqlite3.connect(dst[len("sqlite:///"):]) as con:
