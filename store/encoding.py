@@ -35,7 +35,10 @@ folded by zlib when long; consecutive ids are one run; any other list is its run
 about 5 KB of JSON. A list that fits none of these (ids far outside int32) takes the slow
 way: into the JSON. A long list of ids in [0, 2**31) (the pools' case) is packed without a
 Python step per id: `struct` reads the ids once, and big-integer arithmetic finds the steps
-and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way.
+and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way; from 256 ids,
+when the writer has imported numpy (the simulator and the live connectors do; the store
+does not need it), numpy's array operations find them instead (`_pack_array`, the same bytes
+again, about a third of the instructions).
 
 The recorders of the core's own events (`BatchingRecorder(trusted=True)`) encode through
 `encode_trusted`: the same rows, less the check that each block id is an exact int (a step per
@@ -223,15 +226,14 @@ def merge_lists(payload: dict[str, Any], lists: bytes) -> dict[str, Any]:
 #   kind 4: the same with the differences as int16: near neighbours in any order;
 #   kind 5: runs of ids one apart, (start, length) int32 pairs, in the list's order, a
 #           negative length a descending run (start, start - 1, ...): kind 2 with both ways.
-# A list of at least 16 ids that is a few such runs (at most one per 16 ids, found greedily
+# A list of at least 64 ids that is a few such runs (at most one per 16 ids, found greedily
 # from the left: a run takes the direction of its first step) is kind 2 (every run
 # ascending) or 5, and never offered to zlib (its body is at most half a byte an id). Others
 # are tried in the order 3, 4, 2, 1, one C-level pass making the deltas; consecutive ids
 # become one run (a 1,024-id list is 13 bytes, not about 5 KB of JSON), and zlib folds the
 # repeats of a long list of deltas (a fragmented decode pool's 1,024 ids: about 500 bytes).
-# What pools hand out is mostly a few runs either way (a prompt's blocks, a decode pool's
-# free queue taken from its tail): packing those costs no zlib, which was most of the cost
-# of packing a list (its set-up alone, tables cleared for every list).
+# What pools hand out is mostly a few runs either way (a prompt's blocks; a decode pool's
+# free queue taken from its tail, descending): those need no zlib and no deltas.
 
 _FORMAT = b"\x01"
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -342,7 +344,7 @@ def _pack_ints(ids: Sequence[int]) -> bytes | None:
         else:
             if ids32[3::4].isascii():  # every id under 2**31 (int32 and uint32 agree)
                 numpy = sys.modules.get("numpy")  # the simulator's and the connectors' own
-                if numpy is not None:
+                if numpy is not None and len(ids) >= _ARRAY_FROM:
                     return _pack_array(numpy, ids, ids32)
                 return _pack_lanes(ids, ids32)
     return _pack_general(tuple(ids))
@@ -356,7 +358,7 @@ def _pack_general(ids: tuple[int, ...]) -> bytes | None:
             return _ONE.pack(3, 4, ids[0])
         except struct.error:
             return None
-    if len(ids) >= _LANES_FROM and -(2**31) <= min(ids) and max(ids) < 2**31:
+    if len(ids) >= _RUNS_FROM and -(2**31) <= min(ids) and max(ids) < 2**31:
         runs = _signed_runs(ids, len(ids) // _IDS_PER_RUN)
         if runs is not None:
             return _runs_piece(runs)
@@ -385,6 +387,8 @@ def _pack_general(ids: tuple[int, ...]) -> bytes | None:
 
 
 _IDS_PER_RUN = 16  # a list is packed as runs (kinds 2 and 5) if it has at most one per 16 ids
+_RUNS_FROM = 64  # ... and at least this many ids (shorter lists cost more to test than to pack)
+_ARRAY_FROM = 256  # numpy's steps from this many ids (below, its per-call cost is the larger)
 
 
 def _signed_runs(ids: Sequence[int], limit: int) -> list[int] | None:
@@ -458,13 +462,14 @@ def _pack_lanes(ids: Sequence[int], ids32: bytes) -> bytes:
     steps = (whole >> 32) - (whole & every) + bias  # lane i: 2**31 + ids[i + 1] - ids[i]
     if steps == ones:  # consecutive: one run
         return _HEAD.pack(2, 8) + ids32[:4] + _FIRST.pack(n + 1)
-    # a byte per step: 1 where it is 1, 2 where it is -1, 3 otherwise (`_not_zero`: a byte
-    # per lane, 1 where the lane is not 0); a few runs either way are packed as runs
-    codes = (int.from_bytes(_not_zero(steps ^ ones, n), "little") * 2
-             + int.from_bytes(_not_zero(steps ^ downs, n), "little")).to_bytes(n, "little")
-    runs = _lane_runs(ids, codes, (n + 1) // _IDS_PER_RUN)
-    if runs is not None:
-        return _runs_piece(runs)
+    flags = None  # a byte per step: 1 where it is not 1 (made when needed)
+    if n + 1 >= _RUNS_FROM:  # a few runs either way are packed as runs
+        flags = _not_zero(steps ^ ones, n)
+        codes = (int.from_bytes(flags, "little") * 2  # 1: step 1, 2: step -1, 3: any other
+                 + int.from_bytes(_not_zero(steps ^ downs, n), "little")).to_bytes(n, "little")
+        runs = _lane_runs(ids, codes, (n + 1) // _IDS_PER_RUN)
+        if runs is not None:
+            return _runs_piece(runs)
     if steps & above_byte == bias:  # every step in 0..255: its low byte
         return _piece(3, ids32[:4] + steps.to_bytes(4 * n, "little")[0::4])
     if (steps + half) & above_int16 == bias:  # every step in int16: its low two bytes
@@ -473,7 +478,7 @@ def _pack_lanes(ids: Sequence[int], ids32: bytes) -> bytes:
         low[0::2] = lanes[0::4]
         low[1::2] = lanes[1::4]
         return _piece(4, ids32[:4] + low)
-    return _far_jumps(ids, ids32, codes.translate(_ONE_IF_NOT_ONE))
+    return _far_jumps(ids, ids32, _not_zero(steps ^ ones, n) if flags is None else flags)
 
 
 def _far_jumps(ids: Sequence[int], ids32: bytes, flags: bytes) -> bytes:
@@ -502,9 +507,10 @@ def _pack_array(np: Any, ids: Sequence[int], ids32: bytes) -> bytes:
         return _HEAD.pack(2, 8) + ids32[:4] + _FIRST.pack(n + 1)
     # a byte per step: 1 where it is 1, 2 where it is -1, 3 otherwise
     codes = (3 - 2 * up.view(np.uint8) - (steps == -1).view(np.uint8)).astype(np.uint8).tobytes()
-    runs = _lane_runs(ids, codes, (n + 1) // _IDS_PER_RUN)
-    if runs is not None:
-        return _runs_piece(runs)
+    if n + 1 >= _RUNS_FROM:  # (writers ask numpy only from `_ARRAY_FROM` ids on)
+        runs = _lane_runs(ids, codes, (n + 1) // _IDS_PER_RUN)
+        if runs is not None:
+            return _runs_piece(runs)
     low, high = int(steps.min()), int(steps.max())
     if low >= 0 and high <= 255:
         return _piece(3, ids32[:4] + steps.astype(np.uint8).tobytes())
