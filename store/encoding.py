@@ -226,7 +226,7 @@ def merge_lists(payload: dict[str, Any], lists: bytes) -> dict[str, Any]:
 #   kind 4: the same with the differences as int16: near neighbours in any order;
 #   kind 5: runs of ids one apart, (start, length) int32 pairs, in the list's order, a
 #           negative length a descending run (start, start - 1, ...): kind 2 with both ways.
-# A list of at least 64 ids that is a few such runs (at most one per 16 ids, found greedily
+# A list of at least 256 ids that is a few such runs (at most one per 16 ids, found greedily
 # from the left: a run takes the direction of its first step) is kind 2 (every run
 # ascending) or 5, and never offered to zlib (its body is at most half a byte an id). Others
 # are tried in the order 3, 4, 2, 1, one C-level pass making the deltas; consecutive ids
@@ -344,7 +344,7 @@ def _pack_ints(ids: Sequence[int]) -> bytes | None:
         else:
             if ids32[3::4].isascii():  # every id under 2**31 (int32 and uint32 agree)
                 numpy = sys.modules.get("numpy")  # the simulator's and the connectors' own
-                if numpy is not None and len(ids) >= _ARRAY_FROM:
+                if numpy is not None and len(ids) >= _RUNS_FROM:
                     return _pack_array(numpy, ids, ids32)
                 return _pack_lanes(ids, ids32)
     return _pack_general(tuple(ids))
@@ -387,8 +387,9 @@ def _pack_general(ids: tuple[int, ...]) -> bytes | None:
 
 
 _IDS_PER_RUN = 16  # a list is packed as runs (kinds 2 and 5) if it has at most one per 16 ids
-_RUNS_FROM = 64  # ... and at least this many ids (shorter lists cost more to test than to pack)
-_ARRAY_FROM = 256  # numpy's steps from this many ids (below, its per-call cost is the larger)
+# ... and at least this many ids: testing a shorter list costs more than it saves (no zlib
+# below about 256 ids), and numpy's per-call cost is the larger below it
+_RUNS_FROM = 256
 
 
 def _signed_runs(ids: Sequence[int], limit: int) -> list[int] | None:
@@ -507,7 +508,7 @@ def _pack_array(np: Any, ids: Sequence[int], ids32: bytes) -> bytes:
         return _HEAD.pack(2, 8) + ids32[:4] + _FIRST.pack(n + 1)
     # a byte per step: 1 where it is 1, 2 where it is -1, 3 otherwise
     codes = (3 - 2 * up.view(np.uint8) - (steps == -1).view(np.uint8)).astype(np.uint8).tobytes()
-    if n + 1 >= _RUNS_FROM:  # (writers ask numpy only from `_ARRAY_FROM` ids on)
+    if n + 1 >= _RUNS_FROM:  # (writers ask numpy only from there on)
         runs = _lane_runs(ids, codes, (n + 1) // _IDS_PER_RUN)
         if runs is not None:
             return _runs_piece(runs)

@@ -231,7 +231,7 @@ def test_long_lists_of_pool_ids_pack_as_the_general_way_does(ids: tuple[int, ...
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2**20), st.integers(1, 300), st.booleans()),
+@given(st.lists(st.tuples(st.integers(0, 2**20), st.integers(1, 600), st.booleans()),
                 min_size=1, max_size=12))
 def test_runs_either_way_pack_as_runs(parts: list[tuple[int, int, bool]]) -> None:
     """Runs of ids one apart, ascending or descending (a decode pool's free queue hands
@@ -243,7 +243,7 @@ def test_runs_either_way_pack_as_runs(parts: list[tuple[int, int, bool]]) -> Non
     if len(ids) >= 16:  # the length from which writers pack whole lists
         ids32 = struct.pack(f"<{len(ids)}I", *ids)
         assert _pack_lanes(ids, ids32) == _pack_array(numpy, ids, ids32) == piece
-    if len(ids) >= 64 and len(parts) <= len(ids) // 16:  # at most one run per 16 ids
+    if len(ids) >= 256 and len(parts) <= len(ids) // 16:  # at most one run per 16 ids
         assert piece[0] in (2, 5) and len(piece) <= 5 + 8 * len(parts)
     assert unpack_lists(b"\x01blocks:" + piece) == {"blocks": list(ids)}
 
