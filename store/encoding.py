@@ -38,7 +38,7 @@ Python step per id: `struct` reads the ids once, and big-integer arithmetic find
 and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way; from 256 ids,
 when the writer has imported numpy (the simulator and the live connectors do; the store
 does not need it), numpy's array operations find them instead (`_pack_array`, the same bytes
-again, about a third of the instructions).
+again, in far fewer instructions).
 
 The recorders of the core's own events (`BatchingRecorder(trusted=True)`) encode through
 `encode_trusted`: the same rows, less the check that each block id is an exact int (a step per
