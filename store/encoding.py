@@ -35,10 +35,7 @@ folded by zlib when long; consecutive ids are one run; any other list is its run
 about 5 KB of JSON. A list that fits none of these (ids far outside int32) takes the slow
 way: into the JSON. A long list of ids in [0, 2**31) (the pools' case) is packed without a
 Python step per id: `struct` reads the ids once, and big-integer arithmetic finds the steps
-and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way; from 256 ids,
-when the writer has imported numpy (the simulator and the live connectors do; the store
-does not need it), numpy's array operations find them instead (`_pack_array`, the same bytes
-again, in far fewer instructions).
+and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way.
 
 The recorders of the core's own events (`BatchingRecorder(trusted=True)`) encode through
 `encode_trusted`: the same rows, less the check that each block id is an exact int (a step per
@@ -52,7 +49,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 import struct
 import sys
 import types
@@ -223,17 +219,10 @@ def merge_lists(payload: dict[str, Any], lists: bytes) -> dict[str, Any]:
 #   kind 2: runs of consecutive ids, (start, length) int32 pairs, in the list's order;
 #   kind 3: the first id as int32, then the difference of each id from the one before as a
 #           byte (0-255): an ascending list of near neighbours, the common case;
-#   kind 4: the same with the differences as int16: near neighbours in any order;
-#   kind 5: runs of ids one apart, (start, length) int32 pairs, in the list's order, a
-#           negative length a descending run (start, start - 1, ...): kind 2 with both ways.
-# A list of at least 256 ids that is a few such runs (at most one per 16 ids, found greedily
-# from the left: a run takes the direction of its first step) is kind 2 (every run
-# ascending) or 5, and never offered to zlib (its body is at most half a byte an id). Others
-# are tried in the order 3, 4, 2, 1, one C-level pass making the deltas; consecutive ids
-# become one run (a 1,024-id list is 13 bytes, not about 5 KB of JSON), and zlib folds the
+#   kind 4: the same with the differences as int16: near neighbours in any order.
+# The kinds are tried in the order 3, 4, 2, 1, one C-level pass making the deltas; consecutive
+# ids become one run (a 1,024-id list is 13 bytes, not about 5 KB of JSON), and zlib folds the
 # repeats of a long list of deltas (a fragmented decode pool's 1,024 ids: about 500 bytes).
-# What pools hand out is mostly a few runs either way (a prompt's blocks; a decode pool's
-# free queue taken from its tail, descending): those need no zlib and no deltas.
 
 _FORMAT = b"\x01"
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -296,8 +285,6 @@ def _unpack_body(kind: int, body: bytes) -> list[int]:
         if _BIG_ENDIAN:
             steps.byteswap()
         return list(accumulate(steps, initial=_FIRST.unpack_from(body)[0]))
-    if kind == 5 and len(body) % 8 == 0:
-        return _unpack_signed_runs(body)
     if kind in (1, 2) and len(body) % 4 == 0:
         values = array("i")
         values.frombytes(body)
@@ -315,20 +302,6 @@ def _unpack_body(kind: int, body: bytes) -> list[int]:
     raise ValueError(f"kind {kind} with a body of {len(body)} bytes")
 
 
-def _unpack_signed_runs(body: bytes) -> list[int]:
-    values = array("i")
-    values.frombytes(body)
-    if _BIG_ENDIAN:
-        values.byteswap()
-    ids: list[int] = []
-    for start, length in zip(values[::2], values[1::2], strict=True):
-        if length == 0:
-            raise ValueError("a run of length 0")
-        ids.extend(range(start, start + length) if length > 0
-                   else range(start, start + length, -1))
-    return ids
-
-
 def _prefix(names: Sequence[str]) -> bytes:
     return _FORMAT + ",".join(names).encode("ascii") + b":"
 
@@ -343,9 +316,6 @@ def _pack_ints(ids: Sequence[int]) -> bytes | None:
             pass
         else:
             if ids32[3::4].isascii():  # every id under 2**31 (int32 and uint32 agree)
-                numpy = sys.modules.get("numpy")  # the simulator's and the connectors' own
-                if numpy is not None and len(ids) >= _RUNS_FROM:
-                    return _pack_array(numpy, ids, ids32)
                 return _pack_lanes(ids, ids32)
     return _pack_general(tuple(ids))
 
@@ -358,10 +328,6 @@ def _pack_general(ids: tuple[int, ...]) -> bytes | None:
             return _ONE.pack(3, 4, ids[0])
         except struct.error:
             return None
-    if len(ids) >= _RUNS_FROM and -(2**31) <= min(ids) and max(ids) < 2**31:
-        runs = _signed_runs(ids, len(ids) // _IDS_PER_RUN)
-        if runs is not None:
-            return _runs_piece(runs)
     try:  # near neighbours: the deltas as bytes (ascending) or int16s, made in C
         first = _FIRST.pack(ids[0])
         try:
@@ -384,37 +350,6 @@ def _pack_general(ids: tuple[int, ...]) -> bytes | None:
         except OverflowError:
             return None
     return _piece(kind, body)
-
-
-_IDS_PER_RUN = 16  # a list is packed as runs (kinds 2 and 5) if it has at most one per 16 ids
-# ... and at least this many ids: testing a shorter list costs more than it saves (no zlib
-# below about 256 ids), and numpy's per-call cost is the larger below it
-_RUNS_FROM = 256
-
-
-def _signed_runs(ids: Sequence[int], limit: int) -> list[int] | None:
-    """The list as runs of ids one apart either way, flat (start, signed length), found
-    greedily from the left; None once there would be more than `limit`. The id-by-id way;
-    `_lane_runs` finds the same runs from the steps made in C."""
-    runs: list[int] = []
-    start, direction, length = ids[0], 0, 1
-    for prev, v in zip(ids, islice(ids, 1, None)):
-        step = v - prev
-        if (step == 1 or step == -1) and (direction == 0 or step == direction):
-            direction, length = step, length + 1
-            continue
-        runs += (start, -length if direction == -1 else length)
-        if len(runs) > 2 * limit:
-            return None
-        start, direction, length = v, 0, 1
-    runs += (start, -length if direction == -1 else length)
-    return runs if len(runs) <= 2 * limit else None
-
-
-def _runs_piece(runs: list[int]) -> bytes:
-    """Kind 2 if every run ascends (or is one id), else 5; never zlib (see the format)."""
-    body = _int32s(runs)
-    return _HEAD.pack(2 if min(runs[1::2]) > 0 else 5, len(body)) + body
 
 
 def _piece(kind: int, body: bytes) -> bytes:
@@ -440,14 +375,14 @@ _LANE_CONSTANTS = 64  # lengths whose constants are kept (a run sees a handful)
 
 
 @functools.lru_cache(maxsize=_LANE_CONSTANTS)
-def _lanes(count: int) -> tuple[int, int, int, int, int, int, int]:
+def _lanes(count: int) -> tuple[int, int, int, int, int, int]:
     """For `count` lanes: every lane's bits, the bias (0x80000000 each), the lanes of all
     steps 1, the mask of bits above a byte, half int16's range (0x8000), the mask above 16
-    bits, the lanes of all steps -1."""
+    bits."""
     def each(lane: int) -> int:
         return int.from_bytes(lane.to_bytes(4, "little") * count, "little")
     return (each(0xFFFF_FFFF), each(0x8000_0000), each(0x8000_0001), each(0xFFFF_FF00),
-            each(0x8000), each(0xFFFF_0000), each(0x7FFF_FFFF))
+            each(0x8000), each(0xFFFF_0000))
 
 
 @functools.lru_cache(maxsize=_LANE_CONSTANTS)
@@ -458,19 +393,11 @@ def _uint32s(count: int) -> struct.Struct:
 def _pack_lanes(ids: Sequence[int], ids32: bytes) -> bytes:
     """The piece of `ids` (at least 2, each in [0, 2**31)), given them as uint32s."""
     n = len(ids) - 1  # steps
-    every, bias, ones, above_byte, half, above_int16, downs = _lanes(n)
+    every, bias, ones, above_byte, half, above_int16 = _lanes(n)
     whole = int.from_bytes(ids32, "little")
     steps = (whole >> 32) - (whole & every) + bias  # lane i: 2**31 + ids[i + 1] - ids[i]
     if steps == ones:  # consecutive: one run
         return _HEAD.pack(2, 8) + ids32[:4] + _FIRST.pack(n + 1)
-    flags = None  # a byte per step: 1 where it is not 1 (made when needed)
-    if n + 1 >= _RUNS_FROM:  # a few runs either way are packed as runs
-        flags = _not_zero(steps ^ ones, n)
-        codes = (int.from_bytes(flags, "little") * 2  # 1: step 1, 2: step -1, 3: any other
-                 + int.from_bytes(_not_zero(steps ^ downs, n), "little")).to_bytes(n, "little")
-        runs = _lane_runs(ids, codes, (n + 1) // _IDS_PER_RUN)
-        if runs is not None:
-            return _runs_piece(runs)
     if steps & above_byte == bias:  # every step in 0..255: its low byte
         return _piece(3, ids32[:4] + steps.to_bytes(4 * n, "little")[0::4])
     if (steps + half) & above_int16 == bias:  # every step in int16: its low two bytes
@@ -479,13 +406,13 @@ def _pack_lanes(ids: Sequence[int], ids32: bytes) -> bytes:
         low[0::2] = lanes[0::4]
         low[1::2] = lanes[1::4]
         return _piece(4, ids32[:4] + low)
-    return _far_jumps(ids, ids32, _not_zero(steps ^ ones, n) if flags is None else flags)
-
-
-def _far_jumps(ids: Sequence[int], ids32: bytes, flags: bytes) -> bytes:
-    """Far jumps: runs of consecutive ids where there are few, else the ids themselves.
-    `flags`: a byte per step, 1 where it is not 1 (a break between two runs)."""
-    n = len(flags)
+    # far jumps: runs of consecutive ids where there are few, else the ids themselves.
+    # A byte per lane, 1 where the step is not 1 (a break between two runs): the lane's four
+    # bytes folded into its low byte, taken, and made 0 or 1.
+    other = steps ^ ones
+    other |= other >> 16
+    other |= other >> 8
+    flags = other.to_bytes(4 * n, "little")[0::4].translate(_ONE_IF_NOT_ZERO)
     if 2 * flags.count(1) >= n - 1:  # as many runs as half the ids: the ids themselves
         return _piece(1, ids32)
     runs: list[int] = []
@@ -496,67 +423,7 @@ def _far_jumps(ids: Sequence[int], ids32: bytes, flags: bytes) -> bytes:
     return _piece(2, _int32s(runs))
 
 
-def _pack_array(np: Any, ids: Sequence[int], ids32: bytes) -> bytes:
-    """`_pack_lanes` with the steps made by numpy (when a writer has imported it: the store
-    itself does not need it): the same bytes, a few whole-array operations instead of
-    big-integer arithmetic on 4-KB integers."""
-    ints = np.frombuffer(ids32, dtype="<i4")
-    steps = ints[1:] - ints[:-1]  # ids in [0, 2**31): no step overflows int32
-    n = len(steps)
-    up = steps == 1
-    if up.all():  # consecutive: one run
-        return _HEAD.pack(2, 8) + ids32[:4] + _FIRST.pack(n + 1)
-    # a byte per step: 1 where it is 1, 2 where it is -1, 3 otherwise
-    codes = (3 - 2 * up.view(np.uint8) - (steps == -1).view(np.uint8)).astype(np.uint8).tobytes()
-    if n + 1 >= _RUNS_FROM:  # (writers ask numpy only from there on)
-        runs = _lane_runs(ids, codes, (n + 1) // _IDS_PER_RUN)
-        if runs is not None:
-            return _runs_piece(runs)
-    low, high = int(steps.min()), int(steps.max())
-    if low >= 0 and high <= 255:
-        return _piece(3, ids32[:4] + steps.astype(np.uint8).tobytes())
-    if low >= -0x8000 and high <= 0x7FFF:
-        return _piece(4, ids32[:4] + steps.astype("<i2").tobytes())
-    return _far_jumps(ids, ids32, codes.translate(_ONE_IF_NOT_ONE))
-
-
 _ONE_IF_NOT_ZERO = bytes([0] + [1] * 255)
-_ONE_IF_NOT_ONE = bytes([1, 0] + [1] * 254)
-_STRETCHES = re.compile(rb"\x01+|\x02+|\x03+")
-
-
-def _not_zero(lanes: int, count: int) -> bytes:
-    """A byte per 32-bit lane of `lanes`: 1 where the lane is not 0, else 0 (the lane's four
-    bytes folded into its low byte, taken, and made 0 or 1)."""
-    lanes |= lanes >> 16
-    lanes |= lanes >> 8
-    return lanes.to_bytes(4 * count, "little")[0::4].translate(_ONE_IF_NOT_ZERO)
-
-
-def _lane_runs(ids: Sequence[int], codes: bytes, limit: int) -> list[int] | None:
-    """`_signed_runs(ids, limit)` from the steps' codes (1: step 1, 2: step -1, 3: any
-    other), a Python step per stretch of equal codes, not per id."""
-    runs: list[int] = []
-    first, direction = 0, 0  # the open run: its first id's index, its direction (0: none)
-    for stretch in _STRETCHES.finditer(codes):
-        s, e = stretch.span()  # steps s..e-1; the open run reaches id s
-        code = codes[s]
-        if code == 3 or direction:  # step s ends the open run
-            runs += (ids[first], first - s - 1 if direction == 2 else s - first + 1)
-            if code == 3:  # and steps s+1..e-1 each end a run of one id
-                if len(runs) + 2 * (e - s - 1) > 2 * limit:
-                    return None
-                runs += [x for i in range(s + 1, e) for x in (ids[i], 1)]
-                first, direction = e, 0
-            else:
-                first, direction = s + 1, (code if e > s + 1 else 0)
-            if len(runs) > 2 * limit:
-                return None
-        else:  # the open run is one id: it takes this stretch's direction
-            direction = code
-    last = len(ids) - 1
-    runs += (ids[first], first - last - 1 if direction == 2 else last - first + 1)
-    return runs if len(runs) <= 2 * limit else None
 
 
 def _runs(ids: tuple[int, ...]) -> list[int]:
