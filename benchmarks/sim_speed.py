@@ -6,7 +6,8 @@ completed rate is printed too):
 - recording off (no recorder at all) and on (a `BatchingRecorder` into a fresh SQLite store,
   the default of `kvplane sim run`): simulated seconds per CPU-second and per wall second, and
   the ratio on/off: what recording costs, split into the recorder's writer thread (SQLite) and
-  the rest (checking and packing events on the simulator's thread);
+  the rest (encoding and batching events on the simulator's thread; being the difference of
+  two runs' CPU, it also holds their spread, about ±0.1-0.2 s on a shared 2-core machine);
 - with `--profile`, the five functions with the most own time (cProfile, recording off);
 - the wall time of a `--requests` multi-turn run (reuse on, recording off).
 
@@ -216,8 +217,8 @@ def main() -> None:
                     print(f"  {p.mode:<5} recording on / off (CPU): {cpu / cpu_off:.2f} "
                           f"(+{(cpu / cpu_off - 1) * 100:.0f}%): {extra:.2f} CPU s for {events} "
                           f"events, {extra / max(events, 1) * 1e6:.0f} us an event; the writer "
-                          f"thread {writer:.2f} s of it, the simulator's thread (checking, "
-                          f"packing) {extra - writer:.2f} s")
+                          f"thread {writer:.2f} s of it, the rest (the simulator's thread "
+                          f"encoding, batching; and the runs' spread) {extra - writer:.2f} s")
                 cpu_off = cpu
             if args.profile:
                 print(f"  {p.mode}: top five by own time (recording off)")
