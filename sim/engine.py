@@ -80,6 +80,11 @@ from kvplane.core.routing import Load, Policy, choose_ranked
 Record = Callable[[Event], None]
 
 
+def ignore(event: Event) -> None:
+    """The recorder of a run that records nothing: the simulator skips making the events
+    only a recorder reads (the core's events are made either way: they carry its decisions)."""
+
+
 
 class PoolTooSmall(ValueError):
     """A request longer than a decode instance's whole KV pool: vLLM would refuse it (its
@@ -1046,8 +1051,10 @@ class PrefillInstance(Instance):
     def _run(self, r: SimRequest, cached: int) -> None:
         r.cached = cached
         self.progress[r.id] = cached
-        self.sim.rec(PrefillStarted(at=self.sim.env.now, instance=self.name, request=r.id,
-                                    computed_tokens=r.prompt - cached, cached_tokens=cached))
+        if self.sim.recording:
+            self.sim.rec(PrefillStarted(at=self.sim.env.now, instance=self.name, request=r.id,
+                                        computed_tokens=r.prompt - cached,
+                                        cached_tokens=cached))
         self.running.append(r)
 
     def loop(self) -> Iterator[Any]:
@@ -1652,8 +1659,10 @@ class DecodeInstance(Instance):
         for r in self.running:
             if r.done_tokens == 0:
                 r.first_token = first_end + leg
-                self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
-                                               request=r.id, ttft=r.first_token - r.arrival))
+                if self.sim.recording:
+                    self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
+                                                   request=r.id,
+                                                   ttft=r.first_token - r.arrival))
             else:
                 r.itl.append((stall + durations[0], 1))
             if steps > 1:
@@ -1712,9 +1721,10 @@ class Router:
 
     def arrive(self, r: SimRequest) -> None:
         sim = self.sim
-        sim.rec(RequestArrived(at=sim.env.now, instance="router", request=r.id,
-                               prompt_tokens=r.prompt, output_tokens=r.output,
-                               conversation=r.conversation, tenant=r.tenant, turn=r.turn))
+        if sim.recording:
+            sim.rec(RequestArrived(at=sim.env.now, instance="router", request=r.id,
+                                   prompt_tokens=r.prompt, output_tokens=r.output,
+                                   conversation=r.conversation, tenant=r.tenant, turn=r.turn))
         self.dispatch(r)
 
     def dispatch(self, r: SimRequest) -> None:
@@ -1725,9 +1735,10 @@ class Router:
         r.prefill = choose_ranked(cfg.prefill_policy, loads, next(self.rr_p))
         if cfg.mode == "push":  # decode chosen up front; both legs leave at once
             r.decode = self.pick_decode(r)
-            sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id, mode="push",
-                                  prefill=r.prefill, decode=r.decode,
-                                  bidirectional=cfg.bidirectional))
+            if sim.recording:
+                sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id,
+                                      mode="push", prefill=r.prefill, decode=r.decode,
+                                      bidirectional=cfg.bidirectional))
             sim.prefills[r.prefill].submit(r)
             sim.decodes[r.decode].submit(r)
         else:
@@ -1888,7 +1899,7 @@ class Simulation:
     def __init__(self, cfg: EngineConfig, costs: Costs, record: Record | None = None) -> None:
         self.cfg, self.costs = cfg, costs
         self.env = simpy.Environment()
-        self.rec: Record = record or (lambda e: None)
+        self.rec: Record = record or ignore
         self._host_quantiles = costs.host_slowdown_quantiles()
         self.slowed_steps = "decode_step" in self._host_quantiles
         self._host_rng = np.random.default_rng(self.seed_for("host"))
@@ -1919,10 +1930,15 @@ class Simulation:
     def seed_for(self, name: str) -> int:
         return (self.cfg.seed * 1_000_003 + sum(map(ord, name))) % (2**32)
 
+    @property
+    def recording(self) -> bool:
+        return self.rec is not ignore
+
     def do(self, machine: Any, cmd: Any) -> list[Event]:
         events: list[Event] = machine.handle(cmd, self.env.now)
-        for e in events:
-            self.rec(e)
+        if self.rec is not ignore:
+            for e in events:
+                self.rec(e)
         return events
 
     def submit(self, r: SimRequest) -> None:
@@ -1936,11 +1952,12 @@ class Simulation:
             self.done.append(r)
         else:
             self.sink(r)
-        self.rec(RequestFinished(
-            at=r.finish, instance=r.decode, request=r.id, output_tokens=r.output,
-            ttft=r.first_token - r.arrival,
-            tpot=(r.finish - r.first_token) / max(r.output - 1, 1),
-            e2e=r.finish - r.arrival, ok=r.ok))
+        if self.rec is not ignore:
+            self.rec(RequestFinished(
+                at=r.finish, instance=r.decode, request=r.id, output_tokens=r.output,
+                ttft=r.first_token - r.arrival,
+                tpot=(r.finish - r.first_token) / max(r.output - 1, 1),
+                e2e=r.finish - r.arrival, ok=r.ok))
         if r.on_done is not None:
             r.on_done(r)
 

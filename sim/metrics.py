@@ -114,8 +114,8 @@ class StreamingSummary:
         c["finish"].append(r.finish)
         c["output"].append(r.output)
         if r.itl:
-            values = np.fromiter((v for v, _ in r.itl), float, len(r.itl))
-            weights = np.fromiter((w for _, w in r.itl), float, len(r.itl))
+            # (gap, tokens) pairs as two contiguous float rows, made in C
+            values, weights = np.array(r.itl, dtype=float).T.copy()
             np.add.at(self.itl, np.searchsorted(_ITL_BINS, values), weights)
             self.itl_sum += float(values @ weights)
         if r.reuse_outcome:

@@ -23,7 +23,7 @@ from kvplane.core.routing import Policy
 
 from .config import Point, Scenario, load_scenario
 from .costs import SimCosts
-from .engine import EngineConfig, SimRequest, Simulation
+from .engine import EngineConfig, SimRequest, Simulation, ignore
 from .metrics import StreamingSummary, summarize
 from .workloads import Request, RequestBatch, requests_for_point
 
@@ -220,7 +220,7 @@ def serve_history(sim: Simulation, point: Point, block_size: int) -> int:
     requests; each earlier point is a run of its own) and dropped from `sim.done`, so no
     statistic of the point counts them. Returns how many."""
     served = 0
-    rec, sim.rec = sim.rec, (lambda e: None)
+    rec, sim.rec = sim.rec, ignore
     try:
         for k, earlier in enumerate(point.history):
             batch = requests_for_point(earlier)
