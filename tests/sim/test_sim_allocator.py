@@ -244,3 +244,25 @@ def test_prefix_hits_reuse_the_last_answer_only_where_it_still_holds() -> None:
             held.append(blocks)
         if held and rng.random() < 0.5:
             pool.give(held.pop(int(rng.integers(0, len(held)))))
+
+
+def test_cache_keeps_the_first_block_of_a_hash() -> None:
+    """`BlockPool.cache`: a hash already cached keeps its block; a hash named twice in one
+    prompt goes to its first block; the map and the per-block hash arrays agree."""
+    import numpy as np
+
+    from kvplane.sim.engine import BlockPool
+
+    pool = BlockPool(16, None, 0, prefix_caching=True)
+    first = pool.take(3)
+    assert first is not None
+    pool.cache(np.array([11, 12, 13], dtype=np.uint64), first)
+    second = pool.take(4)
+    assert second is not None
+    # 12 is cached on first[1] already; 14 appears twice: its first block takes it
+    pool.cache(np.array([12, 14, 14, 15], dtype=np.uint64), second)
+    got = pool.block_of.get(np.array([11, 12, 13, 14, 15], dtype=np.uint64)).tolist()
+    assert got == [first[0], first[1], first[2], second[1], second[3]]
+    hashed = {b for b in range(16) if pool.hashed[b]}
+    assert hashed == set(got)
+    assert [int(pool.hash_of[b]) for b in got] == [11, 12, 13, 14, 15]
