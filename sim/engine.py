@@ -230,7 +230,7 @@ class HashIndex:
     _EMPTY, _GONE = -1, -2  # `vals` of a free slot and of a removed entry
     _WINDOW = 8  # slots a lookup that missed its home slot reads per round
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, by_value: bool = False) -> None:
         self.bits = max(int(4 * max(n, 1) - 1).bit_length(), 4)
         size = 1 << self.bits
         self.keys = np.zeros(size, dtype=np.uint64)
@@ -238,6 +238,9 @@ class HashIndex:
         self.live = 0
         self.removed = 0
         self.shift = np.uint64(64 - self.bits)
+        # `by_value` (values in [0, n), each held by one key at most: a pool's blocks): the
+        # slot of each value's entry, so that `remove_values` needs no probing
+        self.slot_of = np.full(max(n, 1), -1, dtype=np.int64) if by_value else None
 
     def __len__(self) -> int:
         return self.live
@@ -300,6 +303,8 @@ class HashIndex:
             self.removed -= int(np.count_nonzero(v[won] == self._GONE))
             keys[slot] = hs[todo[won]]
             vals[slot] = blocks[todo[won]]
+            if self.slot_of is not None:
+                self.slot_of[blocks[todo[won]]] = slot
             if won.all():
                 break
             go = ~won
@@ -323,6 +328,14 @@ class HashIndex:
         self.vals[slots] = self._GONE
         self.live -= len(hs)
         self.removed += len(hs)
+
+    def remove_values(self, values: np.ndarray) -> None:
+        """Remove the entries whose values these are (each held by a present entry; made
+        with `by_value`): their slots are known, so no key is probed for."""
+        assert self.slot_of is not None
+        self.vals[self.slot_of[values]] = self._GONE
+        self.live -= len(values)
+        self.removed += len(values)
 
     def _rebuild(self) -> None:
         live = np.flatnonzero(self.vals >= 0)
@@ -653,7 +666,7 @@ class BlockPool:
         self.rng = np.random.default_rng(seed)
         self.prefix_caching = prefix_caching
         self.ref = np.zeros(m, dtype=np.int32)  # block -> requests holding it
-        self.block_of = HashIndex(m)  # prefix hash -> cached block
+        self.block_of = HashIndex(m, by_value=True)  # prefix hash -> cached block
         self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
         self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
@@ -691,7 +704,7 @@ class BlockPool:
         if len(cached):  # taking a cached block from the head evicts its hash
             self.version += 1
             self.hashed[cached] = False
-            self.block_of.remove(self.hash_of[cached])
+            self.block_of.remove_values(cached)  # their hashes' entries
         got = tuple(out)
         if n >= 64:  # a prompt's blocks, most often given back as they are: keep the array
             if len(self._taken) >= 256:
