@@ -240,7 +240,7 @@ class HashIndex:
         self.shift = np.uint64(64 - self.bits)
         # `by_value` (values in [0, n), each held by one key at most: a pool's blocks): the
         # slot of each value's entry, so that `remove_values` needs no probing
-        self.slot_of = np.full(max(n, 1), -1, dtype=np.int64) if by_value else None
+        self.slot_of = np.full(max(n, 1), -1, dtype=np.int32) if by_value else None
 
     def __len__(self) -> int:
         return self.live
