@@ -290,25 +290,33 @@ class HashIndex:
         if 2 * (self.live + self.removed + len(hs)) > size:
             self._rebuild()
         todo = np.arange(len(hs))
-        idx = self._slots(hs)
+        pos = self._slots(hs)
         keys, vals, mask = self.keys, self.vals, size - 1
+        ahead = np.arange(self._WINDOW)
         while len(todo):
-            # each key aiming at a free slot writes its number there; the one whose number
-            # reads back takes the slot, the rest (occupied slot, or another key won) probe on
-            v = vals[idx]
+            # each key looks at the next `_WINDOW` slots of its probe run and aims at the first
+            # free one (empty or removed: every slot before it is live, so lookups pass them);
+            # it writes its number there, and the one whose number reads back takes the slot.
+            # The rest go on: past the slot another key won, or past a window with no free slot.
+            win = (pos[:, None] + ahead) & mask
+            v = vals[win]
             free = v < 0
-            vals[idx[free]] = todo[free]
-            won = free & (vals[idx] == todo)
-            slot = idx[won]
-            self.removed -= int(np.count_nonzero(v[won] == self._GONE))
-            keys[slot] = hs[todo[won]]
-            vals[slot] = blocks[todo[won]]
+            rows, first = np.arange(len(todo)), free.argmax(axis=1)
+            has = free[rows, first]
+            aim = win[rows, first]
+            vals[aim[has]] = todo[has]
+            won = has & (vals[aim] == todo)
+            slot, who = aim[won], todo[won]
+            self.removed -= int(np.count_nonzero(v[rows, first][won] == self._GONE))
+            keys[slot] = hs[who]
+            vals[slot] = blocks[who]
             if self.slot_of is not None:
-                self.slot_of[blocks[todo[won]]] = slot
+                self.slot_of[blocks[who]] = slot
             if won.all():
                 break
             go = ~won
-            todo, idx = todo[go], (idx[go] + 1) & mask
+            todo = todo[go]
+            pos = np.where(has, aim + 1, pos + self._WINDOW)[go] & mask
         self.live += len(hs)
 
     def distinct(self, hs: np.ndarray) -> bool:
