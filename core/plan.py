@@ -82,11 +82,17 @@ class KVLayout:
 
 def peer_layout(base: KVLayout, **changes: Any) -> KVLayout:
     """`base` with a peer's block size, TP and so on: a peer's impossible layout is a
-    `PeerError`, never a bare `ValueError` from deep inside a decision."""
+    `PeerError`, never a bare `ValueError` from deep inside a decision. A function of its
+    arguments (layouts are frozen), so each pair is built once (twice per request otherwise)."""
     try:
-        return replace(base, **changes)
+        return _peer_layout(base, tuple(sorted(changes.items())))
     except (ValueError, TypeError) as exc:
         raise PeerError(f"peer's KV layout is unusable: {exc}") from None
+
+
+@lru_cache(maxsize=256)
+def _peer_layout(base: KVLayout, changes: tuple[tuple[str, Any], ...]) -> KVLayout:
+    return replace(base, **dict(changes))
 
 
 def check_peer_layout(ours: KVLayout, theirs_: KVLayout) -> None:

@@ -80,6 +80,11 @@ from .host_state import HostTimeline, state_bin
 Record = Callable[[Event], None]
 
 
+def ignore(event: Event) -> None:
+    """The recorder of a run that records nothing: the simulator skips making the events
+    only a recorder reads (the core's events are made either way: they carry its decisions)."""
+
+
 
 class PoolTooSmall(ValueError):
     """A request longer than a decode instance's whole KV pool: vLLM would refuse it (its
@@ -229,7 +234,7 @@ class HashIndex:
     _EMPTY, _GONE = -1, -2  # `vals` of a free slot and of a removed entry
     _WINDOW = 8  # slots a lookup that missed its home slot reads per round
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, by_value: bool = False) -> None:
         self.bits = max(int(4 * max(n, 1) - 1).bit_length(), 4)
         size = 1 << self.bits
         self.keys = np.zeros(size, dtype=np.uint64)
@@ -237,6 +242,9 @@ class HashIndex:
         self.live = 0
         self.removed = 0
         self.shift = np.uint64(64 - self.bits)
+        # `by_value` (values in [0, n), each held by one key at most: a pool's blocks): the
+        # slot of each value's entry, so that `remove_values` needs no probing
+        self.slot_of = np.full(max(n, 1), -1, dtype=np.int32) if by_value else None
 
     def __len__(self) -> int:
         return self.live
@@ -286,23 +294,33 @@ class HashIndex:
         if 2 * (self.live + self.removed + len(hs)) > size:
             self._rebuild()
         todo = np.arange(len(hs))
-        idx = self._slots(hs)
+        pos = self._slots(hs)
         keys, vals, mask = self.keys, self.vals, size - 1
+        ahead = np.arange(self._WINDOW)
         while len(todo):
-            # each key aiming at a free slot writes its number there; the one whose number
-            # reads back takes the slot, the rest (occupied slot, or another key won) probe on
-            v = vals[idx]
+            # each key looks at the next `_WINDOW` slots of its probe run and aims at the first
+            # free one (empty or removed: every slot before it is live, so lookups pass them);
+            # it writes its number there, and the one whose number reads back takes the slot.
+            # The rest go on: past the slot another key won, or past a window with no free slot.
+            win = (pos[:, None] + ahead) & mask
+            v = vals[win]
             free = v < 0
-            vals[idx[free]] = todo[free]
-            won = free & (vals[idx] == todo)
-            slot = idx[won]
-            self.removed -= int(np.count_nonzero(v[won] == self._GONE))
-            keys[slot] = hs[todo[won]]
-            vals[slot] = blocks[todo[won]]
+            rows, first = np.arange(len(todo)), free.argmax(axis=1)
+            has = free[rows, first]
+            aim = win[rows, first]
+            vals[aim[has]] = todo[has]
+            won = has & (vals[aim] == todo)
+            slot, who = aim[won], todo[won]
+            self.removed -= int(np.count_nonzero(v[rows, first][won] == self._GONE))
+            keys[slot] = hs[who]
+            vals[slot] = blocks[who]
+            if self.slot_of is not None:
+                self.slot_of[blocks[who]] = slot
             if won.all():
                 break
             go = ~won
-            todo, idx = todo[go], (idx[go] + 1) & mask
+            todo = todo[go]
+            pos = np.where(has, aim + 1, pos + self._WINDOW)[go] & mask
         self.live += len(hs)
 
     def distinct(self, hs: np.ndarray) -> bool:
@@ -322,6 +340,14 @@ class HashIndex:
         self.vals[slots] = self._GONE
         self.live -= len(hs)
         self.removed += len(hs)
+
+    def remove_values(self, values: np.ndarray) -> None:
+        """Remove the entries whose values these are (each held by a present entry; made
+        with `by_value`): their slots are known, so no key is probed for."""
+        assert self.slot_of is not None
+        self.vals[self.slot_of[values]] = self._GONE
+        self.live -= len(values)
+        self.removed += len(values)
 
     def _rebuild(self) -> None:
         live = np.flatnonzero(self.vals >= 0)
@@ -652,7 +678,7 @@ class BlockPool:
         self.rng = np.random.default_rng(seed)
         self.prefix_caching = prefix_caching
         self.ref = np.zeros(m, dtype=np.int32)  # block -> requests holding it
-        self.block_of = HashIndex(m)  # prefix hash -> cached block
+        self.block_of = HashIndex(m, by_value=True)  # prefix hash -> cached block
         self.hashed = np.zeros(m, dtype=bool)  # block -> whether it has a prefix hash
         self.hash_of = np.zeros(m, dtype=np.uint64)  # cached block -> its hash
         self.reserved = 0  # blocks promised to running requests' future tokens
@@ -690,7 +716,7 @@ class BlockPool:
         if len(cached):  # taking a cached block from the head evicts its hash
             self.version += 1
             self.hashed[cached] = False
-            self.block_of.remove(self.hash_of[cached])
+            self.block_of.remove_values(cached)  # their hashes' entries
         got = tuple(out)
         if n >= 64:  # a prompt's blocks, most often given back as they are: keep the array
             if len(self._taken) >= 256:
@@ -1131,8 +1157,10 @@ class PrefillInstance(Instance):
     def _run(self, r: SimRequest, cached: int) -> None:
         r.cached = cached
         self.progress[r.id] = cached
-        self.sim.rec(PrefillStarted(at=self.sim.env.now, instance=self.name, request=r.id,
-                                    computed_tokens=r.prompt - cached, cached_tokens=cached))
+        if self.sim.recording:
+            self.sim.rec(PrefillStarted(at=self.sim.env.now, instance=self.name, request=r.id,
+                                        computed_tokens=r.prompt - cached,
+                                        cached_tokens=cached))
         self.running.append(r)
 
     def loop(self) -> Iterator[Any]:
@@ -1737,8 +1765,10 @@ class DecodeInstance(Instance):
         for r in self.running:
             if r.done_tokens == 0:
                 r.first_token = first_end + leg
-                self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
-                                               request=r.id, ttft=r.first_token - r.arrival))
+                if self.sim.recording:
+                    self.sim.rec(FirstTokenEmitted(at=r.first_token, instance=self.name,
+                                                   request=r.id,
+                                                   ttft=r.first_token - r.arrival))
             else:
                 r.itl.append((stall + durations[0], 1))
             if steps > 1:
@@ -1797,9 +1827,10 @@ class Router:
 
     def arrive(self, r: SimRequest) -> None:
         sim = self.sim
-        sim.rec(RequestArrived(at=sim.env.now, instance="router", request=r.id,
-                               prompt_tokens=r.prompt, output_tokens=r.output,
-                               conversation=r.conversation, tenant=r.tenant, turn=r.turn))
+        if sim.recording:
+            sim.rec(RequestArrived(at=sim.env.now, instance="router", request=r.id,
+                                   prompt_tokens=r.prompt, output_tokens=r.output,
+                                   conversation=r.conversation, tenant=r.tenant, turn=r.turn))
         self.dispatch(r)
 
     def dispatch(self, r: SimRequest) -> None:
@@ -1810,9 +1841,10 @@ class Router:
         r.prefill = choose_ranked(cfg.prefill_policy, loads, next(self.rr_p))
         if cfg.mode == "push":  # decode chosen up front; both legs leave at once
             r.decode = self.pick_decode(r)
-            sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id, mode="push",
-                                  prefill=r.prefill, decode=r.decode,
-                                  bidirectional=cfg.bidirectional))
+            if sim.recording:
+                sim.rec(RequestRouted(at=sim.env.now, instance="router", request=r.id,
+                                      mode="push", prefill=r.prefill, decode=r.decode,
+                                      bidirectional=cfg.bidirectional))
             sim.prefills[r.prefill].submit(r)
             sim.decodes[r.decode].submit(r)
         else:
@@ -1973,7 +2005,7 @@ class Simulation:
     def __init__(self, cfg: EngineConfig, costs: Costs, record: Record | None = None) -> None:
         self.cfg, self.costs = cfg, costs
         self.env = simpy.Environment()
-        self.rec: Record = record or (lambda e: None)
+        self.rec: Record = record or ignore
         self._host_quantiles = costs.host_slowdown_quantiles()
         self._host_bins = costs.host_state_bins()
         self._host_timeline: HostTimeline | None = None
@@ -2018,10 +2050,15 @@ class Simulation:
     def seed_for(self, name: str) -> int:
         return (self.cfg.seed * 1_000_003 + sum(map(ord, name))) % (2**32)
 
+    @property
+    def recording(self) -> bool:
+        return self.rec is not ignore
+
     def do(self, machine: Any, cmd: Any) -> list[Event]:
         events: list[Event] = machine.handle(cmd, self.env.now)
-        for e in events:
-            self.rec(e)
+        if self.rec is not ignore:
+            for e in events:
+                self.rec(e)
         return events
 
     def submit(self, r: SimRequest) -> None:
@@ -2035,11 +2072,12 @@ class Simulation:
             self.done.append(r)
         else:
             self.sink(r)
-        self.rec(RequestFinished(
-            at=r.finish, instance=r.decode, request=r.id, output_tokens=r.output,
-            ttft=r.first_token - r.arrival,
-            tpot=(r.finish - r.first_token) / max(r.output - 1, 1),
-            e2e=r.finish - r.arrival, ok=r.ok))
+        if self.rec is not ignore:
+            self.rec(RequestFinished(
+                at=r.finish, instance=r.decode, request=r.id, output_tokens=r.output,
+                ttft=r.first_token - r.arrival,
+                tpot=(r.finish - r.first_token) / max(r.output - 1, 1),
+                e2e=r.finish - r.arrival, ok=r.ok))
         if r.on_done is not None:
             r.on_done(r)
 

@@ -244,3 +244,60 @@ def test_prefix_hits_reuse_the_last_answer_only_where_it_still_holds() -> None:
             held.append(blocks)
         if held and rng.random() < 0.5:
             pool.give(held.pop(int(rng.integers(0, len(held)))))
+        # the map holds exactly the hashed blocks' hashes, each on its own block (eviction
+        # removes entries by their block's slot, `remove_values`)
+        hashed = np.flatnonzero(pool.hashed)
+        assert len(pool.block_of) == len(hashed)
+        assert (pool.block_of.get(pool.hash_of[hashed]) == hashed).all()
+
+
+def test_cache_keeps_the_first_block_of_a_hash() -> None:
+    """`BlockPool.cache`: a hash already cached keeps its block; a hash named twice in one
+    prompt goes to its first block; the map and the per-block hash arrays agree."""
+    import numpy as np
+
+    from kvplane.sim.engine import BlockPool
+
+    pool = BlockPool(16, None, 0, prefix_caching=True)
+    first = pool.take(3)
+    assert first is not None
+    pool.cache(np.array([11, 12, 13], dtype=np.uint64), first)
+    second = pool.take(4)
+    assert second is not None
+    # 12 is cached on first[1] already; 14 appears twice: its first block takes it
+    pool.cache(np.array([12, 14, 14, 15], dtype=np.uint64), second)
+    got = pool.block_of.get(np.array([11, 12, 13, 14, 15], dtype=np.uint64)).tolist()
+    assert got == [first[0], first[1], first[2], second[1], second[3]]
+    hashed = {b for b in range(16) if pool.hashed[b]}
+    assert hashed == set(got)
+    assert [int(pool.hash_of[b]) for b in got] == [11, 12, 13, 14, 15]
+
+
+def test_the_hash_index_removes_by_value_as_by_key() -> None:
+    """A `by_value` index (values are a pool's blocks, each held by one key at most) removes
+    entries by their values' known slots: against a dict, through tombstones and rebuilds."""
+    import numpy as np
+
+    from kvplane.sim.engine import HashIndex
+
+    rng = np.random.default_rng(13)
+    index, ref = HashIndex(128, by_value=True), {}
+    for _ in range(800):
+        if ref and rng.random() < 0.45:
+            keys = list(ref)
+            picked = rng.permutation(len(keys))[: int(rng.integers(1, 20))].tolist()
+            values = [ref.pop(keys[i]) for i in picked]
+            index.remove_values(np.array(values, dtype=np.int64))
+        else:
+            held = set(ref.values())
+            free = [b for b in range(128) if b not in held]
+            pool = rng.integers(0, 300, size=30) if rng.random() < 0.5 else \
+                rng.integers(0, 2**64, size=30, dtype=np.uint64)
+            new = [h for h in dict.fromkeys(pool.tolist()) if h not in ref][:len(free)]
+            values = rng.permutation(free)[:len(new)]
+            index.add(np.array(new, dtype=np.uint64), values)
+            ref.update(zip(new, values.tolist()))
+        probe = list(ref) + rng.integers(0, 2**64, size=10, dtype=np.uint64).tolist()
+        got = index.get(np.array(probe, dtype=np.uint64)).tolist()
+        assert got == [ref.get(h, -1) for h in probe]
+        assert len(index) == len(ref)
