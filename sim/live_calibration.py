@@ -272,10 +272,7 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
     pts = [(compute.flops(n, n * (n + 1) / 2.0, 1), _q(ds, QUIET))
            for n, ds in sorted(by_len.items())]
     per_token = iv.get("decode_token") or iv["tpot"]
-    mf, my = (statistics.fmean(f for f, _ in pts), statistics.fmean(y for _, y in pts))
-    var = sum((f - mf) ** 2 for f, _ in pts)
-    slope = sum((f - mf) * (y - my) for f, y in pts) / var if var > 0 else 0.0
-    overhead = my - slope * mf
+    overhead, slope = _line(pts)
     overhead_from = "prefill_step"
     if slope <= 0 or overhead <= 0:  # no line: the decode time per token, one slope through it
         overhead = max(_q(per_token, QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
@@ -294,10 +291,12 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
     tpts = [(statistics.median(n for n, _ in xs), _q([r for _, r in xs], QUIET))
             for xs in rest.values()]
     setup, per_desc = _line(tpts)
-    if per_desc < 0 or setup < 0:  # no line: one of the two alone
-        setup, per_desc = (max(_q([r for _, r in tpts], QUIET), 0.0), 0.0) if per_desc < 0 \
-            else (0.0, sum(n * r for n, r in tpts) / max(sum(n * n for n, _ in tpts), 1e-30))
-    per_desc = max(per_desc, 0.0)
+    if per_desc < 0:  # no slope: the set-up alone
+        setup, per_desc = max(_q([r for _, r in tpts], QUIET), 0.0), 0.0
+    elif setup < 0:  # no intercept: the slope alone, through the origin
+        setup = 0.0
+        per_desc = max(sum(n * r for n, r in tpts) / max(sum(n * n for n, _ in tpts), 1e-30),
+                       0.0)
     leg, resp = max(_q(iv["request_leg"], QUIET), 0.0), max(_q(iv["response_leg"], QUIET), 0.0)
     # how much the host slowed every hop: measured over priced, pooled
     fitted_compute = prior.model_copy(update={
