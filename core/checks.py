@@ -57,6 +57,10 @@ def _remember(blocks: tuple[int, ...]) -> None:
 
 def duplicates(blocks: Sequence[int]) -> str | None:
     """Why a block list is unusable (a repeated or negative id), or None when it is fine."""
+    if len(blocks) < 2:  # none or one: nothing to repeat (a decode step's new block)
+        if blocks and blocks[0] < 0:
+            return f"negative block id {blocks[0]}"
+        return None
     if type(blocks) is tuple and _FINE.get(id(blocks)) is blocks:
         return None
     if len(set(blocks)) != len(blocks):

@@ -436,8 +436,11 @@ class DecodeCore(Machine[DecodeCommand]):
         if len({k[0] for k in keys}) != len(keys):
             raise ProtocolError(self.name, "", "AllocateMany", "a request appears twice")
         out: list[Event] = []
+        ended, entries = self.ended, self.entries
         for a in cmd.allocations:
-            phase = self.phase(a.request, a.attempt)
+            key = (a.request, a.attempt)  # `phase`, inline: a macro-step's every request
+            e = entries.get(key)
+            phase = _E if key in ended else e.phase if e is not None else _A
             if phase not in _ALLOCATABLE:
                 raise ProtocolError(self.name, phase, "Allocate")
             out += self._allocate(a, now)
@@ -478,17 +481,23 @@ class DecodeCore(Machine[DecodeCommand]):
 
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> DecodeCore:
-        self.saw(ev)
-        if ev.at - self._pruned_at >= self.forget_after:
-            self._prune(ev.at)
+        at = ev.at
+        if at > self.clock:  # `saw`, inline: this runs for every event
+            self.clock = at
+        if at - self._pruned_at >= self.forget_after:
+            self._prune(at)
+        kind = type(ev)  # event types are final: the type names the event
         key = (ev.request or "", getattr(ev, "attempt", 0))
-        if type(ev) is LeaseGranted:  # event types are final: the type names the event
-            self._end(key)  # the blocks now belong to the lease
-        if self.leases.apply(ev):
-            return self
-        fold = _FOLD.get(type(ev))
-        if fold is not None:
+        fold = _FOLD.get(kind)
+        if fold is not None:  # not a lease's event (the two tables share no type)
+            leases = self.leases
+            if at > leases.clock:  # what `leases.apply` does with an event not its own
+                leases.clock = at
             fold(self, ev, key)
+            return self
+        if kind is LeaseGranted:
+            self._end(key)  # the blocks now belong to the lease
+        self.leases.apply(ev)
         return self
 
     def _on_reserved(self, ev: BlocksReserved, key: Key) -> None:

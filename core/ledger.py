@@ -108,8 +108,10 @@ class Ledger:
             self.chunks.setdefault(req, []).append((ev.attempt, ev.blocks))
             return
         held = self._held(req)
-        # (a list the core already found free of repeats is not checked again)
-        if ev.blocks == held and (found_fine(ev.blocks) or len(set(held)) == len(held)):
+        # repeats matter only to the per-block index (a block is popped once); a list the core
+        # already found free of repeats is not checked again
+        if ev.blocks == held and (self._owner is None or found_fine(ev.blocks)
+                                  or len(set(held)) == len(held)):
             # the usual case: the request frees everything it holds, each block once
             freed: set[int] | tuple[int, ...] = held
             self.chunks.pop(req, None)

@@ -586,18 +586,23 @@ class PrefillCore(Machine[PrefillCommand]):
 
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> PrefillCore:
-        self.saw(ev)
-        if ev.at - self._pruned_at >= self.forget_after:
-            self._prune(ev.at)
+        at = ev.at
+        if at > self.clock:  # `saw`, inline: this runs for every event
+            self.clock = at
+        if at - self._pruned_at >= self.forget_after:
+            self._prune(at)
         kind = type(ev)  # event types are final: the type names the event
+        fold = _FOLD.get(kind)
+        if fold is not None:  # not a lease's event (the two tables share no type)
+            leases = self.leases
+            if at > leases.clock:  # what `leases.apply` does with an event not its own
+                leases.clock = at
+            fold(self, ev, (ev.request or "", getattr(ev, "attempt", 0)))
+            return self
         if kind is LeaseGranted and ev.purpose == "pull_hold":  # type: ignore[attr-defined]
             # custody of the finished prefill's blocks passes to the hold lease
             self._end((ev.request or "", ev.attempt))  # type: ignore[attr-defined]
-        if self.leases.apply(ev):
-            return self
-        fold = _FOLD.get(kind)
-        if fold is not None:
-            fold(self, ev, (ev.request or "", getattr(ev, "attempt", 0)))
+        self.leases.apply(ev)
         return self
 
     def _on_reissued(self, ev: RequestReissued, key: Key) -> None:
@@ -619,9 +624,13 @@ class PrefillCore(Machine[PrefillCommand]):
 
     def _on_freed(self, ev: BlocksFreed, key: Key) -> None:
         self.ledger.apply(ev)
-        if key in self.entries:
+        e = self.entries.get(key)
+        if e is None:
+            return
+        if ev.blocks == e.blocks:  # the usual case: all of them
+            e.blocks = ()
+        else:
             gone = set(ev.blocks)
-            e = self.entries[key]
             e.blocks = tuple(b for b in e.blocks if b not in gone)
 
     def _on_registration(self, ev: RegistrationArrived, key: Key) -> None:

@@ -127,3 +127,13 @@ def test_reuse_read_lands_in_the_given_destination_blocks() -> None:
         assert "not reserved" in str(exc)
     else:
         raise AssertionError("a read into foreign blocks must be refused")
+
+
+def test_fold_tables_share_no_type_with_the_lease_table() -> None:
+    """`apply` of decode and prefill folds an event in its own table without asking the lease
+    table: that is right only while no event type is in both."""
+    from kvplane.core import decode, prefill
+    from kvplane.core.lease import _LEASE_EVENTS
+
+    assert not set(decode._FOLD) & _LEASE_EVENTS
+    assert not set(prefill._FOLD) & _LEASE_EVENTS
