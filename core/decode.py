@@ -482,8 +482,7 @@ class DecodeCore(Machine[DecodeCommand]):
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> DecodeCore:
         at = ev.at
-        if at > self.clock:  # `saw`, inline: this runs for every event
-            self.clock = at
+        self.clock = max(self.clock, at)  # `saw`, inline: this runs for every event
         if at - self._pruned_at >= self.forget_after:
             self._prune(at)
         kind = type(ev)  # event types are final: the type names the event
@@ -491,8 +490,7 @@ class DecodeCore(Machine[DecodeCommand]):
         fold = _FOLD.get(kind)
         if fold is not None:  # not a lease's event (the two tables share no type)
             leases = self.leases
-            if at > leases.clock:  # what `leases.apply` does with an event not its own
-                leases.clock = at
+            leases.clock = max(leases.clock, at)  # `leases.apply` with another's event
             fold(self, ev, key)
             return self
         if kind is LeaseGranted:

@@ -587,16 +587,14 @@ class PrefillCore(Machine[PrefillCommand]):
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> PrefillCore:
         at = ev.at
-        if at > self.clock:  # `saw`, inline: this runs for every event
-            self.clock = at
+        self.clock = max(self.clock, at)  # `saw`, inline: this runs for every event
         if at - self._pruned_at >= self.forget_after:
             self._prune(at)
         kind = type(ev)  # event types are final: the type names the event
         fold = _FOLD.get(kind)
         if fold is not None:  # not a lease's event (the two tables share no type)
             leases = self.leases
-            if at > leases.clock:  # what `leases.apply` does with an event not its own
-                leases.clock = at
+            leases.clock = max(leases.clock, at)  # `leases.apply` with another's event
             fold(self, ev, (ev.request or "", getattr(ev, "attempt", 0)))
             return self
         if kind is LeaseGranted and ev.purpose == "pull_hold":  # type: ignore[attr-defined]
