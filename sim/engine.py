@@ -1211,7 +1211,7 @@ class PrefillInstance(Instance):
             if isinstance(e, TransferPlanned) and e.direction == "P->D":
                 r = self.sim.requests[e.request or ""]
                 r.runs = e.runs
-                self.sim.env.process(self.push_transfer(e, r))
+                self.push_transfer(e, r)
 
     def on_registration(self, r: SimRequest, e: RegistrationSent, layout: KVLayout) -> None:
         events = self.do(P.Register(r.id, 0, e.instance, e.dst_blocks, layout,
@@ -1221,22 +1221,40 @@ class PrefillInstance(Instance):
                 self.sim.decodes[r.decode].do(D.KVFailed(r.id, 0, ev.reason))
         self.start_push(events)
 
-    def push_transfer(self, plan: TransferPlanned, r: SimRequest) -> Iterator[Any]:
+    def push_transfer(self, plan: TransferPlanned, r: SimRequest) -> None:
+        """The push's WRITE on prefill's background thread (one transfer at a time), then
+        the link (one at a time), then the notifications' trip to decode. Callbacks on the
+        SimPy events, not a process: the same events at the same times, without a process's
+        start, resumptions and end (three of a request's SimPy steps)."""
         env, costs = self.sim.env, self.sim.costs
-        with self.transfer_thread.request() as slot:  # the background thread, one at a time
-            yield slot
+        slot = self.transfer_thread.request()
+
+        def prepare(_: Any) -> None:
             r.transfer_start = env.now
             prep = costs.descriptor_prep_time(plan.descriptors, inline=False)
-            yield env.timeout(prep + self.connect(plan.dst)
-                              + self.sim.hop(costs.transfer_setup(), "transfer"))
-            with self.nic.request() as link:
-                yield link
-                yield env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
-                                                      plan.expected_notifications))
-        r.transfer_end = env.now
-        self.do(P.TransferDone(r.id, 0))
-        yield env.timeout(costs.message_latency())
-        self.sim.decodes[r.decode].on_notifications(r)
+            env.timeout(prep + self.connect(plan.dst)
+                        + self.sim.hop(costs.transfer_setup(), "transfer")
+                        ).callbacks.append(post)
+
+        def post(_: Any) -> None:
+            link = self.nic.request()
+
+            def send(_: Any) -> None:
+                env.timeout(costs.transfer_time(plan.bytes, plan.descriptors,
+                                                plan.expected_notifications)
+                            ).callbacks.append(sent)
+
+            def sent(_: Any) -> None:
+                self.nic.release(link)  # the link, then the thread (as nested `with`s)
+                self.transfer_thread.release(slot)
+                r.transfer_end = env.now
+                self.do(P.TransferDone(r.id, 0))
+                env.timeout(costs.message_latency()).callbacks.append(
+                    lambda _: self.sim.decodes[r.decode].on_notifications(r))
+
+            link.callbacks.append(send)
+
+        slot.callbacks.append(prepare)
 
 
 class DecodeInstance(Instance):
@@ -1433,7 +1451,8 @@ class DecodeInstance(Instance):
             events = self.do(D.ExpectKV(r.id, 0, r.prefill, kv_blocks, window.num_tokens,
                                         pf.layout, "push", timeout=cfg.kv_timeout))
             self.kv_deadline(r, env.now + cfg.kv_timeout)
-            env.process(self._send_registration(r, events, pf))
+            env.timeout(self.sim.costs.message_latency()).callbacks.append(
+                lambda _: self._send_registration(r, events, pf))
         else:
             hold = pf.core.leases.leases.get(P.hold_lease_id(r.id, 0))
             events = self.do(D.ExpectKV(
@@ -1459,8 +1478,8 @@ class DecodeInstance(Instance):
         self.sim.env.timeout(max(at - self.sim.env.now, 0.0)).callbacks.append(fire)
 
     def _send_registration(self, r: SimRequest, events: list[Event],
-                           pf: PrefillInstance) -> Iterator[Any]:
-        yield self.sim.env.timeout(self.sim.costs.message_latency())
+                           pf: PrefillInstance) -> None:
+        """The registration reaches prefill (a message's latency after `admit`)."""
         for e in events:
             if isinstance(e, RegistrationSent):
                 pf.on_registration(r, e, self.layout)
@@ -1510,37 +1529,56 @@ class DecodeInstance(Instance):
         self.recomputes.append((r, r.prompt, 0, "KV load failed: local prefill"))
         self.poke()
 
-    def pull_read(self, r: SimRequest, plan: TransferPlanned) -> Iterator[Any]:
+    def pull_read(self, r: SimRequest, plan: TransferPlanned) -> None:
+        """Decode's READ of prefill's blocks: the connector's set-up, prefill's link (one
+        transfer at a time), then the read's end told to decode's core and, a message later,
+        to prefill's. Callbacks on the SimPy events, not a process (the same events at the
+        same times, without a process's start, resumptions and end)."""
         env, costs = self.sim.env, self.sim.costs
         pf = self.sim.prefills[r.prefill]
         r.transfer_start = env.now
         wire = costs.transfer_time(plan.bytes, plan.descriptors, plan.expected_notifications)
         setup = costs.transfer_setup()
-        if setup > 0:  # the connector's own work (pin, prepare, post, poll): not the link's
-            whole = self.sim.hop(setup + wire, "transfer")
-            yield env.timeout(max(whole - wire, 0.0))
-            wire = min(wire, whole)
-        with pf.nic.request() as link:
-            yield link
-            yield env.timeout(wire)
-        r.transfer_end = env.now
-        hold_alive = P.hold_lease_id(r.id, 0) in pf.core.leases.leases
-        done = self.do(D.PullDone(r.id, 0, ok=hold_alive,
-                                  reason="" if hold_alive else "prefill's hold expired"))
-        for e in done:
-            if isinstance(e, KVReceived):
-                self.kv_ready(r)
-            elif isinstance(e, KVLoadFailed):
-                self.fallback(r)
-        yield env.timeout(costs.message_latency())
-        pf.do(P.PullReadDone(r.id, 0))
+        if setup <= 0:
+            self._pull_wire(r, pf, wire)
+            return
+        # the connector's own work (pin, prepare, post, poll): not the link's
+        whole = self.sim.hop(setup + wire, "transfer")
+        env.timeout(max(whole - wire, 0.0)).callbacks.append(
+            lambda _: self._pull_wire(r, pf, min(wire, whole)))
 
-    def read_on_thread(self, r: SimRequest, plan: TransferPlanned, prep: float
-                       ) -> Iterator[Any]:
-        with self.reader.request() as slot:
-            yield slot
-            yield self.sim.env.timeout(prep)
-        yield from self.pull_read(r, plan)
+    def _pull_wire(self, r: SimRequest, pf: PrefillInstance, wire: float) -> None:
+        env = self.sim.env
+        link = pf.nic.request()
+
+        def read(_: Any) -> None:
+            env.timeout(wire).callbacks.append(done)
+
+        def done(_: Any) -> None:
+            pf.nic.release(link)
+            r.transfer_end = env.now
+            hold_alive = P.hold_lease_id(r.id, 0) in pf.core.leases.leases
+            for e in self.do(D.PullDone(r.id, 0, ok=hold_alive,
+                                        reason="" if hold_alive else "prefill's hold expired")):
+                if isinstance(e, KVReceived):
+                    self.kv_ready(r)
+                elif isinstance(e, KVLoadFailed):
+                    self.fallback(r)
+            env.timeout(self.sim.costs.message_latency()).callbacks.append(
+                lambda _: pf.do(P.PullReadDone(r.id, 0)))
+
+        link.callbacks.append(read)
+
+    def read_on_thread(self, r: SimRequest, plan: TransferPlanned, prep: float) -> None:
+        """The READ prepared on decode's reader thread (one at a time), then issued."""
+        env = self.sim.env
+        slot = self.reader.request()
+
+        def prepared(_: Any) -> None:
+            self.reader.release(slot)
+            self.pull_read(r, plan)
+
+        slot.callbacks.append(lambda _: env.timeout(prep).callbacks.append(prepared))
 
     def loop(self) -> Iterator[Any]:
         env, cfg, costs = self.sim.env, self.sim.cfg, self.sim.costs
@@ -1553,12 +1591,13 @@ class DecodeInstance(Instance):
                 prep = costs.descriptor_prep_time(plan.descriptors, inline=True)
                 prep += self.connect(r.prefill)
                 if cfg.pull_reader_thread:
-                    env.process(self.read_on_thread(r, plan, prep))
+                    self.read_on_thread(r, plan, prep)
                     continue
                 stall += prep  # inline: this step waits for it, and so does every request
                 self.sim.rec(EngineStalled(at=env.now, instance=self.name, request=r.id,
                                            seconds=prep, cause="pull descriptor preparation"))
-                env.process(self._after(prep, self.pull_read, r, plan))
+                env.timeout(prep).callbacks.append(
+                    lambda _, r=r, plan=plan: self.pull_read(r, plan))
             while self.recomputes:
                 r, new, cached, why = self.recomputes.popleft()
                 self.prefilling.append(LocalPrefill(r, new, cached, why))
@@ -1614,11 +1653,6 @@ class DecodeInstance(Instance):
                     yield env.timeout(base + acc - now)
             self._advance(steps, durations, stall, start)
             self._advance_chunks(chunks)
-
-    def _after(self, delay: float, fn: Callable[..., Iterator[Any]], *args: Any
-               ) -> Iterator[Any]:
-        yield self.sim.env.timeout(delay)
-        yield from fn(*args)
 
     def _chunks(self) -> list[tuple[LocalPrefill, int]]:
         """This step's local prefill chunks: the decodes take one token each of the step's
