@@ -190,7 +190,20 @@ def count_runs(
     if src_bs != dst_bs:
         return len(merge_runs(src_blocks, src_bs, dst_blocks, dst_bs, n))
     _check_blocks(src_blocks, src_bs, dst_blocks, dst_bs, n)
-    return 0 if n == 0 else 1 + len(_break_list(src_blocks, dst_blocks, src_bs, n))
+    return 0 if n == 0 else 1 + _break_count(src_blocks, dst_blocks, src_bs, n)
+
+
+def _break_count(src: tuple[int, ...], dst: tuple[int, ...], bs: int, n: int) -> int:
+    """`len(_break_list(...))` without the list: the pairs that do not break are those whose
+    steps' product is 1 (`_breaks`), counted in C (`list.count`); a descending pair at a
+    partly filled last block is a break more."""
+    nb = -(-n // bs)
+    src, dst = src[:nb], dst[:nb]
+    breaks = nb - 1 - list(map(mul, map(sub, src[1:], src), map(sub, dst[1:], dst))).count(1)
+    if (nb * bs > n and nb > 1 and src[nb - 1] == src[nb - 2] - 1
+            and dst[nb - 1] == dst[nb - 2] - 1):
+        breaks += 1
+    return breaks
 
 
 def merge_runs(
