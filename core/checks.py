@@ -21,6 +21,8 @@ from .errors import PeerError, ProtocolError
 
 def finite(value: float, what: str, *, minimum: float | None = 0.0) -> str | None:
     """Why `value` is not an acceptable time or duration, or None when it is."""
+    if type(value) is float and math.isfinite(value) and (minimum is None or value >= minimum):
+        return None  # the usual case, decided in one line
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{what} must be a number, got {value!r}"
     if not math.isfinite(value):

@@ -1374,7 +1374,7 @@ class DecodeInstance(Instance):
         new = pool.take(need)
         assert new is not None
         self.held[r.id] = len(hit) + need
-        return (*hit, *new), len(hit) * bs
+        return ((*hit, *new) if hit else new), len(hit) * bs
 
     def _chain(self, r: SimRequest, n: int) -> list[int]:
         """The prefix-cache hashes of `r`'s first `n` blocks: the workload's (prompt, and the
@@ -1719,6 +1719,16 @@ class DecodeInstance(Instance):
         Requests computing a local prefill joined the running list last: they go first."""
         pool, need, i = self.pool, 0, 0
         free = pool.free  # read again whenever a release or a preemption gives blocks back
+        bs, held_of = self.layout.block_size, self.held.get
+        # the usual case first: every next block is free, nothing to evict or preempt (then
+        # the walk below, which has no effect before it meets a shortfall, changes nothing)
+        wanted = 0
+        for r in self.running:  # `_next_takes` of each, inline
+            held = held_of(r.id, 0)
+            if held * bs <= r.prompt + r.done_tokens and held < -(-(r.prompt + r.output) // bs):
+                wanted += 1
+        if wanted <= free:
+            return
         while i < len(self.running):
             r = self.running[i]
             n = self._next_takes(r)
@@ -1742,10 +1752,15 @@ class DecodeInstance(Instance):
         would need one more ends the macro-step, and `make_room` preempts at its start), and
         the steps at which they take a block."""
         per = []  # (index in the running batch, its crossings), kept for `grow`
-        for i, r in enumerate(self.running):
-            c = self._crossings(r, k)
-            if c:
-                per.append((i, c))
+        bs, held_of = self.layout.block_size, self.held.get
+        for i, r in enumerate(self.running):  # `_crossings(r, k)` of each, inline
+            held = held_of(r.id, 0)
+            final = -(-(r.prompt + r.output) // bs)
+            if held >= final:
+                continue
+            first = max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
+            if first <= k:
+                per.append((i, list(range(first, k + 1, bs)[:final - held])))
         self._per = (self.running, len(self.running), per)
         steps = sorted(itertools.chain.from_iterable(c for _, c in per))
         if len(steps) > self.pool.free:
@@ -1843,10 +1858,20 @@ class DecodeInstance(Instance):
         self.on_freed()
 
     def do(self, cmd: Any) -> list[Event]:
-        events = super().do(cmd)
+        """`Instance.do`, and a lease that ended leaves `retained` (one pass over the events;
+        event types are final, so the type names the event)."""
+        events = self.sim.do(self.core, cmd)
+        freed = False
         for e in events:
-            if isinstance(e, (LeaseExpired, LeaseReleased)):
+            kind = type(e)
+            if kind is BlocksFreed:
+                if e.instance == self.name:
+                    self.pool.give(e.blocks)
+                    freed = True
+            elif kind is LeaseExpired or kind is LeaseReleased:
                 self.retained.pop(e.lease, None)
+        if freed:
+            self.on_freed()
         return events
 
 
