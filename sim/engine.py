@@ -1797,21 +1797,25 @@ class DecodeInstance(Instance):
         for (_, k), b in zip(crossings, taken, strict=True):
             got.setdefault(k, []).append(b)
         allocations = []
-        for k, r in enumerate(running):
-            new = got.get(k)
-            if new:
-                self.held[r.id] = self.held.get(r.id, 0) + len(new)
-                allocations.append(D.Allocate(r.id, r.attempt, tuple(new)))
+        held = self.held
+        for k in sorted(got):  # the growing requests, in batch order
+            r, new = running[k], got[k]
+            held[r.id] = held.get(r.id, 0) + len(new)
+            allocations.append(D.Allocate(r.id, r.attempt, tuple(new)))
         self.do(D.AllocateMany(tuple(allocations)))  # one core call, an event per request
 
     def _advance(self, steps: int, durations: list[float], stall: float, start: float) -> None:
-        env = self.sim.env
+        now = self.sim.env.now
         self.grow(steps)
         first_end = start + stall + durations[0]
         rest = sum(durations[1:steps])
         still: list[SimRequest] = []
         leg = self.sim.costs.response_leg()  # tokens reach the client through the router
+        # every request in the batch saw the same gaps: one (gap, tokens) pair each, shared
+        gap = (stall + durations[0], 1)
+        tail = (rest / (steps - 1), steps - 1) if steps > 1 else None
         for r in self.running:
+            itl = r.itl
             if r.done_tokens == 0:
                 r.first_token = first_end + leg
                 if self.sim.recording:
@@ -1819,14 +1823,15 @@ class DecodeInstance(Instance):
                                                    request=r.id,
                                                    ttft=r.first_token - r.arrival))
             else:
-                r.itl.append((stall + durations[0], 1))
-            if steps > 1:
-                r.itl.append((rest / (steps - 1), steps - 1))
-            r.stall_s += stall
-            r.done_tokens += steps
-            r.last_token = env.now
-            if r.done_tokens >= r.output:
-                r.finish = env.now + leg
+                itl.append(gap)
+            if tail is not None:
+                itl.append(tail)
+            if stall:  # (adding 0.0 changes no sum of non-negative stalls)
+                r.stall_s += stall
+            done = r.done_tokens = r.done_tokens + steps
+            r.last_token = now
+            if done >= r.output:
+                r.finish = now + leg
                 self.finish(r)
             else:
                 still.append(r)
