@@ -432,18 +432,20 @@ class DecodeCore(Machine[DecodeCommand]):
     def _allocate_many(self, cmd: AllocateMany, now: float) -> list[Event]:
         # one request's events never change another's phase, so deciding them all against
         # the state before any is applied equals deciding them one by one
-        keys = [(a.request, a.attempt) for a in cmd.allocations]
-        if len({k[0] for k in keys}) != len(keys):
+        allocations = cmd.allocations
+        if len({a.request for a in allocations}) != len(allocations):
             raise ProtocolError(self.name, "", "AllocateMany", "a request appears twice")
         out: list[Event] = []
-        ended, entries = self.ended, self.entries
-        for a in cmd.allocations:
-            key = (a.request, a.attempt)  # `phase`, inline: a macro-step's every request
+        ended, entries, instance = self.ended, self.entries, self.instance
+        for a in allocations:  # `phase` and `_allocate` of each, inline
+            key = (a.request, a.attempt)
             e = entries.get(key)
             phase = _E if key in ended else e.phase if e is not None else _A
             if phase not in _ALLOCATABLE:
                 raise ProtocolError(self.name, phase, "Allocate")
-            out += self._allocate(a, now)
+            ours(self.name, "Allocate", duplicates(a.blocks))
+            out.append(BlocksReserved(at=now, instance=instance, request=a.request,
+                                      attempt=a.attempt, blocks=a.blocks, purpose="decode"))
         return out
 
     def _abort(self, cmd: Abort, now: float) -> list[Event]:
@@ -500,7 +502,7 @@ class DecodeCore(Machine[DecodeCommand]):
 
     def _on_reserved(self, ev: BlocksReserved, key: Key) -> None:
         self.ledger.apply(ev)
-        e = self._open(key, ev.at)
+        e = self.entries.get(key) or self._open(key, ev.at)
         if ev.blocks:
             e.parts.append(ev.blocks)
 

@@ -98,9 +98,9 @@ class Ledger:
         return []
 
     def apply(self, ev: BlocksReserved | BlocksFreed) -> None:
-        assert ev.request is not None
         req = ev.request
-        if isinstance(ev, BlocksReserved):
+        assert req is not None
+        if type(ev) is BlocksReserved:  # event types are final
             if self._owner is not None and self._attempt_of is not None:
                 # bulk dict updates: a 16k-token request reserves ~1,000 blocks
                 self._owner.update(dict.fromkeys(ev.blocks, req))
