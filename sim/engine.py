@@ -1601,7 +1601,7 @@ class DecodeInstance(Instance):
             while self.recomputes:
                 r, new, cached, why = self.recomputes.popleft()
                 self.prefilling.append(LocalPrefill(r, new, cached, why))
-            self.make_room()
+            survey = self.make_room()
             if not self.running and not self.prefilling:
                 if stall:
                     yield env.timeout(stall)
@@ -1610,10 +1610,10 @@ class DecodeInstance(Instance):
                 yield self.wake
                 continue
             batch = len(self.running)
-            ctx = sum(r.prompt + r.done_tokens for r in self.running)
+            _, ctx, least, growing = survey
             chunks = self._chunks()
             if chunks:  # one step mixing the decodes with local prefill chunks
-                k, crossings = self._fit(1)
+                k, crossings = self._fit(1, growing)
                 durations = [costs.mixed_step_time([(n, p.done) for p, n in chunks],
                                                    [r.prompt + r.done_tokens
                                                     for r in self.running])]
@@ -1624,7 +1624,7 @@ class DecodeInstance(Instance):
                                                request=p.r.id, seconds=extra * n / total,
                                                cause=p.why))
             else:
-                k, crossings = self._fit(min(r.output - r.done_tokens for r in self.running))
+                k, crossings = self._fit(least, growing)
                 durations = costs.decode_step_times(batch, ctx, k)
             if self.sim.slowed_steps:  # a shared host: each step slowed by its own draw,
                 # but a joining request's first step, which its first_token hop covers
@@ -1711,24 +1711,45 @@ class DecodeInstance(Instance):
         return int(held * bs <= r.prompt + r.done_tokens
                    and held < -(-(r.prompt + r.output) // bs))
 
-    def make_room(self) -> None:
+    def _survey(self) -> tuple[int, int, int, list[tuple[int, int, int]]]:
+        """One pass over the running batch: how many of its requests need a block at their
+        next step (`_next_takes`), its context tokens, the fewest tokens any request has
+        left to generate, and for each request that will still take blocks its place in the
+        batch, the step (1-based) of its next block and how many blocks it has yet to take
+        (`_crossings`)."""
+        bs, held_of = self.layout.block_size, self.held.get
+        wanted = ctx = 0
+        least = -1
+        growing = []
+        for i, r in enumerate(self.running):
+            done = r.prompt + r.done_tokens
+            ctx += done
+            left = r.output - r.done_tokens
+            if least < 0 or left < least:
+                least = left
+            held = held_of(r.id, 0)
+            final = -(-(r.prompt + r.output) // bs)
+            if held < final:
+                # step i writes token position done + i - 1: a block boundary every bs steps
+                first = held * bs - done + 1
+                if first <= 1:
+                    first = 1
+                    wanted += 1
+                growing.append((i, first, final - held))
+        return wanted, ctx, least, growing
+
+    def make_room(self) -> tuple[int, int, int, list[tuple[int, int, int]]]:
         """vLLM's step, running requests first, in order: each gets the block its next token
         needs; when the pool has none (after evicting retained KV, oldest first), the last
         running request is preempted, until the block is there or the request itself was
         the one preempted (vLLM's FCFS policy; prefix-cached free blocks count as free).
-        Requests computing a local prefill joined the running list last: they go first."""
+        Requests computing a local prefill joined the running list last: they go first.
+        Returns `_survey` of the running batch as it leaves it."""
+        survey = self._survey()
         pool, need, i = self.pool, 0, 0
         free = pool.free  # read again whenever a release or a preemption gives blocks back
-        bs, held_of = self.layout.block_size, self.held.get
-        # the usual case first: every next block is free, nothing to evict or preempt (then
-        # the walk below, which has no effect before it meets a shortfall, changes nothing)
-        wanted = 0
-        for r in self.running:  # `_next_takes` of each, inline
-            held = held_of(r.id, 0)
-            if held * bs <= r.prompt + r.done_tokens and held < -(-(r.prompt + r.output) // bs):
-                wanted += 1
-        if wanted <= free:
-            return
+        if survey[0] <= free:  # the usual case: every next block is free (the walk below
+            return survey      # has no effect before it meets a shortfall)
         while i < len(self.running):
             r = self.running[i]
             n = self._next_takes(r)
@@ -1746,21 +1767,16 @@ class DecodeInstance(Instance):
             else:
                 need += n
                 i += 1
+        return self._survey()
 
-    def _fit(self, k: int) -> tuple[int, list[int]]:
+    def _fit(self, k: int, growing: list[tuple[int, int, int]]) -> tuple[int, list[int]]:
         """At most `k` steps, no more than the pool's free blocks can serve (the step that
         would need one more ends the macro-step, and `make_room` preempts at its start), and
-        the steps at which they take a block."""
-        per = []  # (index in the running batch, its crossings), kept for `grow`
-        bs, held_of = self.layout.block_size, self.held.get
-        for i, r in enumerate(self.running):  # `_crossings(r, k)` of each, inline
-            held = held_of(r.id, 0)
-            final = -(-(r.prompt + r.output) // bs)
-            if held >= final:
-                continue
-            first = max(held * bs - (r.prompt + r.done_tokens) + 1, 1)
-            if first <= k:
-                per.append((i, list(range(first, k + 1, bs)[:final - held])))
+        the steps at which they take a block (`growing`: `_survey`'s)."""
+        # (index in the running batch, its crossings), kept for `grow`
+        bs = self.layout.block_size
+        per = [(i, list(range(first, k + 1, bs)[:left])) for i, first, left in growing
+               if first <= k]
         self._per = (self.running, len(self.running), per)
         steps = sorted(itertools.chain.from_iterable(c for _, c in per))
         if len(steps) > self.pool.free:
