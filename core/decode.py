@@ -481,6 +481,29 @@ class DecodeCore(Machine[DecodeCommand]):
             now,
         )
 
+    def handle(self, command: DecodeCommand, now: float) -> list[Event]:
+        events = self.decide(command, now)
+        if type(command) is AllocateMany:
+            self._fold_reserved(events)
+        else:
+            for e in events:
+                self.apply(e)
+        return events
+
+    def _fold_reserved(self, events: list[Event]) -> None:
+        """`apply` of each of a macro-step's `BlocksReserved` (one instant, one per request),
+        with what is the same for all of them done once: the clocks and the pruning check."""
+        if not events:
+            return
+        at = events[0].at
+        self.clock = max(self.clock, at)
+        if at - self._pruned_at >= self.forget_after:
+            self._prune(at)
+        self.leases.clock = max(self.leases.clock, at)
+        for ev in events:
+            assert type(ev) is BlocksReserved and ev.at == at
+            self._on_reserved(ev, (ev.request or "", ev.attempt))
+
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> DecodeCore:
         at = ev.at

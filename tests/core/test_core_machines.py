@@ -36,6 +36,13 @@ def test_a_batch_of_allocations_makes_the_events_one_by_one_would() -> None:
     seq = [e for a in allocs for e in one.handle(a, 1.0)]
     assert many.handle(dc.AllocateMany(tuple(allocs)), 1.0) == seq
     assert state_of(many) == state_of(one)
+    # `handle` folds a batch's events at once: the state a replay of them (`apply`) makes
+    replayed = dc.DecodeCore("D", layout())
+    replayed.handle(dc.Allocate("b", 1, (5, 6)), 0.5)
+    for e in seq:
+        replayed.apply(e)
+    assert state_of(replayed) == state_of(many)
+    assert (replayed.clock, replayed.leases.clock) == (many.clock, many.leases.clock) == (1.0, 1.0)
     assert many.ledger.blocks_of("b") == (5, 6, 7)
     with pytest.raises(ProtocolError, match="appears twice"):
         many.decide(dc.AllocateMany((dc.Allocate("c", 0, (9,)), dc.Allocate("c", 0, (8,)))), 2.0)
