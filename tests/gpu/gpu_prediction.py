@@ -7,7 +7,9 @@ shared 2-core CPU machine, with a model of a size users serve:
    Qwen2.5-14B-shaped one, tests/gpu/gpu_prediction_dense14b.yaml) with random weights (`--load-format dummy`: the matmuls and the
    KV bytes of the real model; the vocabulary is the test tokenizer's 1,024, so nothing is
    downloaded), one prefill and one decode vLLM server (CUDA, bfloat16, block size 16, prefix
-   caching off, eager), both on the one GPU the machine lends, KvplaneConnector over NIXL,
+   caching off; vLLM's default compilation and CUDA graphs, as users run it, or eager with
+   KVPLANE_GPU_EAGER=1, as sessions 1-3 ran), both on the one GPU the machine lends,
+   KvplaneConnector over NIXL,
    `kvplane router` in bidirectional mode;
 2. workloads A (192 single pull requests, prompts 512-3,072 tokens, 16 output tokens, one every
    0.5 s), B (48 conversations of 4 turns, prompts 1,024-2,632 tokens, turns 2-4 reading
@@ -32,6 +34,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +74,10 @@ SCENARIO = Path(__file__).with_name(MODELS[MODEL][0])
 SEEDS = 10
 TARGET = {0.5: 0.10, 0.9: 0.20}
 KV_BYTES = 8 << 30  # per server: two engines profiling one GPU count each other's memory
+# eager (no torch.compile, no CUDA graphs) starts in seconds, but a decode step is then bound by
+# kernel launches; users run vLLM's default (compiled, CUDA graphs), so that is the default here
+EAGER = os.environ.get("KVPLANE_GPU_EAGER", "0") == "1"
+MODE = "eager" if EAGER else "compiled, CUDA graphs"
 
 WORKLOAD_A = lw.Workload("A", "pull", 0, (512, 1024, 1536, 2048, 2560, 3072) * 32,
                          max_tokens=16, interval=0.5)
@@ -119,6 +126,8 @@ class GpuServer(_servers.VllmServer):  # type: ignore[misc]
                             ("--gpu-memory-utilization", "0.4"),
                             ("--kv-cache-memory-bytes", str(KV_BYTES))):
             _set(cmd, flag, value)
+        if not EAGER and "--enforce-eager" in cmd:
+            cmd.remove("--enforce-eager")
         return cmd
 
     def start(self) -> None:
@@ -137,7 +146,10 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
 
     scenario = load_scenario(SCENARIO)
     model = model_dir(_servers.log_dir("gpu-prediction-model"))
+    t0 = time.monotonic()
     cluster = lw.start("gpu-prediction", model=model, server=GpuServer)
+    started = time.monotonic() - t0
+    print(f"servers ready in {started:.0f} s ({MODE})")
     runs_db = cluster.logs / "runs.db"
     runs = f"sqlite:///{runs_db}"
     sampler = lw.HostSampler()
@@ -167,6 +179,7 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     tags = ["A", *res]
     report = [*describe(fit), *own.lines(), *(ln for r in res.values() for ln in r.lines()),
               "host during the blocks: " + "; ".join(sampler.text(w) for w in tags),
+              f"execution: {MODE}; servers ready in {started:.0f} s",
               "verdict: " + ", ".join(f"{w} p{int(p * 100)} {v}"
                                       for (w, p), v in verdicts.items())]
     print("\n" + "\n".join(report))
@@ -179,6 +192,7 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
                        "interval_p90": r.live_interval(0.9), "reads_live": r.reads_live,
                        "reads_twin": r.reads_twin} for w, r in res.items()},
         "host": {w: sampler.summary(w) for w in tags},
+        "execution": MODE, "servers_ready_s": started,
         "verdict": {f"{w} {p}": v for (w, p), v in verdicts.items()}, "report": report},
         indent=1))
     for w in PREDICTED:
