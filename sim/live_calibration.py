@@ -161,6 +161,31 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
     return dict(out)
 
 
+def prefill_steps_by_decode(store: EventStore, run_id: str
+                            ) -> dict[str, dict[int, list[float]]]:
+    """One-step prefills of the run (seconds, by computed tokens), split by what the decode
+    engine did meanwhile: `idle` (no request between its `KVReceived` and its end decoding for
+    most of the step) or `busy`. On one GPU shared by both engines a busy decode slows
+    prefill (CUDA time-slices the two processes); the simulator gives each engine a device of
+    its own, so a workload whose prefills overlap decoding is then not predicted."""
+    traces = _traces(store, run_id).values()
+    decoding = sorted((t.kv_received, t.finished) for t in traces
+                      if t.kv_received is not None and t.finished is not None)
+    out: dict[str, dict[int, list[float]]] = {"idle": defaultdict(list),
+                                              "busy": defaultdict(list)}
+    for t in traces:
+        a, b = t.prefill_started, t.prefill_finished
+        if a is None or b is None or t.cached or b <= a:
+            continue
+        covered, upto = 0.0, a  # the part of [a, b] some request was decoding
+        for lo, hi in decoding:
+            lo, hi = max(lo, upto), min(hi, b)
+            if hi > lo:
+                covered, upto = covered + hi - lo, hi
+        out["busy" if covered > (b - a) / 2 else "idle"][t.computed].append(b - a)
+    return {k: dict(v) for k, v in out.items()}
+
+
 @dataclass
 class LiveFit:
     calibration: CalibrationProfile

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -68,6 +69,10 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
         "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,
         "num_key_value_heads": 8, "head_dim": 128, "use_sliding_window": False}),
+    "dense3b": ("gpu_prediction_dense3b.yaml", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "head_dim": 128}),
 }
 MODEL = os.environ.get("KVPLANE_GPU_MODEL", "dense8b")
 SCENARIO = Path(__file__).with_name(MODELS[MODEL][0])
@@ -78,6 +83,20 @@ KV_BYTES = 8 << 30  # per server: two engines profiling one GPU count each other
 # kernel launches; users run vLLM's default (compiled, CUDA graphs), so that is the default here
 EAGER = os.environ.get("KVPLANE_GPU_EAGER", "0") == "1"
 MODE = "eager" if EAGER else "compiled, CUDA graphs"
+
+
+def _gpus() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30,
+                             check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+# with two GPUs each engine gets its own, as users deploy (and as the simulator prices); with
+# one (the lent machine), both share it and CUDA time-slices their kernels
+SHARED_GPU = _gpus() < 2
 
 WORKLOAD_A = lw.Workload("A", "pull", 0, (512, 1024, 1536, 2048, 2560, 3072) * 32,
                          max_tokens=16, interval=0.5)
@@ -132,6 +151,8 @@ class GpuServer(_servers.VllmServer):  # type: ignore[misc]
 
     def start(self) -> None:
         self.env = {**self.env, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+        if not SHARED_GPU:
+            self.env["CUDA_VISIBLE_DEVICES"] = "1" if self.name == "decode" else "0"
         super().start()
 
 
@@ -200,4 +221,32 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     later_turns = WORKLOAD_B.conversations * (WORKLOAD_B.turns - 1)
     assert res["B"].reads_live >= later_turns // 2, report
     assert res["B"].reads_twin >= later_turns // 2, report
+    assert all(v == "pass" for (w, _), v in verdicts.items() if w == "B"), report
+    if SHARED_GPU and any(v != "pass" for (w, _), v in verdicts.items() if w == "C"):
+        # C's bursts keep decode busy while prefills run; on one shared GPU that slows them,
+        # which the twin (a device per engine) does not price: a miss, if that is its cause
+        idle, busy = shared_gpu_slowdown(runs, "C")
+        why = (f"C misses and its prefills are not slowed by the decode sharing their GPU "
+               f"({busy:.1f} vs {idle:.1f} ms)")
+        assert busy >= 2 * idle, (why, report)
+        pytest.xfail(f"C: both engines share the one GPU; C's prefills take {busy:.0f} ms "
+                     f"while decode runs, {idle:.0f} ms while it is idle (same prompts); the "
+                     "simulator gives each engine its own device")
     assert all(v == "pass" for v in verdicts.values()), report
+
+
+def shared_gpu_slowdown(runs: str, run: str) -> tuple[float, float]:
+    """Median one-step prefill (ms) of the prompt lengths seen both with decode idle and busy
+    in `run`: (idle, busy)."""
+    import statistics
+
+    from kvplane.sim.live_calibration import prefill_steps_by_decode
+    from kvplane.store import open_store
+
+    with open_store(runs) as store:
+        by = prefill_steps_by_decode(store, run)
+    both = sorted(set(by["idle"]) & set(by["busy"]))
+    if not both:
+        return float("nan"), float("nan")
+    return tuple(statistics.median(x for n in both for x in by[k][n]) * 1e3  # type: ignore[return-value]
+                 for k in ("idle", "busy"))
