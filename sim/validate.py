@@ -214,6 +214,15 @@ def run_push_pull(sc: Scenario, seeds: int, jobs: int
 # --- bidirectional ----------------------------------------------------------------------------
 
 
+def prefill_window(r: SimRequest) -> float:
+    """A prefill duration as the bidirectional study's harness times it: the multi-turn proxy of
+    vLLM PR #32553 clocks its whole call to prefill, from sending the request to having the
+    answer (docs/published.md section 2). Without an answer to the router (push) it ends with
+    prefill's last step."""
+    end = r.prefill_answered if r.prefill_answered >= 0 else r.prefill_end
+    return end - r.prefill_received
+
+
 def curve(done: Sequence[SimRequest], metric: str) -> tuple[np.ndarray, np.ndarray]:
     """Mean of a per-request metric at each prompt length (ms)."""
     values: dict[int, list[float]] = {}
@@ -221,7 +230,7 @@ def curve(done: Sequence[SimRequest], metric: str) -> tuple[np.ndarray, np.ndarr
         if metric == "ttft_ms":
             v = r.first_token - r.arrival
         elif metric == "prefill_ms":
-            v = r.prefill_end - r.prefill_received
+            v = prefill_window(r)
         else:  # kv_transfer_ms: the D->P read that reuse adds
             if r.reuse_read_s <= 0:
                 continue
