@@ -3,7 +3,8 @@
 Prints, within one run (docs/validation.md, "The 2k figures: no mechanism found"):
 
 1. the seed's per-turn budget for the turns under 3k tokens, mean over seeds: queue on
-   prefill, D->P read, compute, prefill duration, P->D transfer, first decode step, TTFT;
+   prefill, D->P read, compute, prefill duration (the harness's window, as validate reads it),
+   P->D transfer (from prefill's last step), first decode step, TTFT;
 2. the same 2k and 24k-region turns with the seed loaded (more conversations, no think time),
    per seed: how queueing on prefill grows with reuse off and with reuse on;
 3. the closed-form wait behind one other closed-loop client (vLLM PR #32553's harness runs two),
@@ -25,6 +26,7 @@ import numpy as np
 from kvplane.sim.config import Scenario, load_scenario
 from kvplane.sim.engine import SimRequest
 from kvplane.sim.runner import simulate
+from kvplane.sim.validate import prefill_window
 
 
 def _runs(sc: Scenario) -> dict[bool, list[SimRequest]]:
@@ -33,7 +35,7 @@ def _runs(sc: Scenario) -> dict[bool, list[SimRequest]]:
 
 def _row(rs: Sequence[SimRequest]) -> list[float]:
     cols = [(r.prefill_start - r.prefill_received, r.reuse_read_s, r.compute_s,
-             r.prefill_end - r.prefill_received, r.kv_ready - r.prefill_end,
+             prefill_window(r), r.kv_ready - r.prefill_end,
              r.first_token - r.kv_ready, r.first_token - r.arrival) for r in rs]
     return list(np.mean(np.array(cols), axis=0) * 1e3)
 

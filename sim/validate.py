@@ -10,7 +10,9 @@ Rules kept here:
   to is *fitted*: shown with its error, never counted. The verdict counts *predicted* figures
   only. A figure without a tolerance is context: shown, never counted.
 - Figures against prompt length (bidirectional) are read off the simulated curve: the mean of
-  each prompt length, interpolated linearly at the published length.
+  each prompt length, interpolated linearly at the published length. A prefill duration there
+  is the study's harness window (`prefill_window`: from the router handing the request to
+  prefill to the router having its answer), which the calibration fit prices too.
 - A published anchor that contradicts another published anchor (a TTFT below the prefill
   duration it contains) is shown, marked and explained; it does not fail the command, because
   no causal model can meet it.
