@@ -179,7 +179,7 @@ def test_prefill_duration_is_the_harness_window_and_the_fit_prices_the_same_one(
     plain = calibration_for(sc)
     legs = plain.model_copy(update={k: getattr(plain, k).model_copy(update={"value": v})
                                     for k, v in (("request_leg", 0.03), ("response_leg", 0.05))})
-    windows = {}
+    windows, ttfts, priced = {}, {}, {}
     for cal in (plain, legs):
         for n, fid in ((2048, "bd-prefill-off-2k"), (24576, "bd-prefill-off-24k")):
             lone = sc.model_copy(update={"requests": 1, "workload": sc.workload.model_copy(
@@ -191,8 +191,16 @@ def test_prefill_duration_is_the_harness_window_and_the_fit_prices_the_same_one(
             assert r.prompt == n and r.prefill_end <= r.prefill_answered <= r.first_token
             setting = _Setting(sc.model, sc.hardware, sc.engine.max_num_batched_tokens,
                                {n: 1.0}, {n: 1.0}, {n: 0.0})
-            (_, price), = _pricers(setting)[fid]
+            pricers = _pricers(setting)
+            (_, price), = pricers[fid]
             assert prefill_window(r) == pytest.approx(price(cal), rel=1e-9)
             windows[cal is legs, n] = prefill_window(r)
+            ttfts[cal is legs, n] = r.first_token - r.arrival
+            (_, price_ttft), = pricers[fid.replace("prefill", "ttft")]
+            priced[cal is legs, n] = price_ttft(cal)
     for n in (2048, 24576):  # both legs are inside the window, once each
         assert windows[True, n] - windows[False, n] == pytest.approx(0.08, abs=1e-9)
+        # a TTFT pays both legs twice (prefill and decode; prefill's answer and the first
+        # token), in the simulator and in the fit's price alike
+        assert ttfts[True, n] - ttfts[False, n] == pytest.approx(0.16, abs=1e-9)
+        assert priced[True, n] - priced[False, n] == pytest.approx(0.16, abs=1e-9)
