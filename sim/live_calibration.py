@@ -186,6 +186,32 @@ def prefill_steps_by_decode(store: EventStore, run_id: str
     return {k: dict(v) for k, v in out.items()}
 
 
+def decode_interference(store: EventStore, run_id: str) -> tuple[float, float] | None:
+    """(idle, busy): the median one-step prefill (seconds) of the prompt lengths the run saw
+    both with decode idle and with decode busy (`prefill_steps_by_decode`); None without such
+    a length. Busy well above idle means the engines share a device (or a host) the twin
+    gives each its own."""
+    by = prefill_steps_by_decode(store, run_id)
+    both = sorted(set(by["idle"]) & set(by["busy"]))
+    if not both:
+        return None
+    return (statistics.median(x for n in both for x in by["idle"][n]),
+            statistics.median(x for n in both for x in by["busy"][n]))
+
+
+def interference_note(store: EventStore, run_id: str, ratio: float = 1.5) -> str | None:
+    """A line for the user when the run's prefills were slowed by decoding (busy at least
+    `ratio` x idle), else None."""
+    got = decode_interference(store, run_id)
+    if got is None or got[1] < ratio * got[0]:
+        return None
+    idle, busy = got
+    return (f"note: run {run_id}'s one-step prefills took {busy * 1e3:.1f} ms (median) while "
+            f"decode was running and {idle * 1e3:.1f} ms while it was idle, same prompt "
+            "lengths: if prefill and decode share a GPU (CUDA time-slices two processes), the "
+            "twin, which gives each engine a device of its own, does not price that")
+
+
 @dataclass
 class LiveFit:
     calibration: CalibrationProfile

@@ -238,15 +238,11 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
 def shared_gpu_slowdown(runs: str, run: str) -> tuple[float, float]:
     """Median one-step prefill (ms) of the prompt lengths seen both with decode idle and busy
     in `run`: (idle, busy)."""
-    import statistics
-
-    from kvplane.sim.live_calibration import prefill_steps_by_decode
+    from kvplane.sim.live_calibration import decode_interference
     from kvplane.store import open_store
 
     with open_store(runs) as store:
-        by = prefill_steps_by_decode(store, run)
-    both = sorted(set(by["idle"]) & set(by["busy"]))
-    if not both:
+        got = decode_interference(store, run)
+    if got is None:
         return float("nan"), float("nan")
-    return tuple(statistics.median(x for n in both for x in by[k][n]) * 1e3  # type: ignore[return-value]
-                 for k in ("idle", "busy"))
+    return got[0] * 1e3, got[1] * 1e3

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import lzma
 import shutil
-import statistics
 from pathlib import Path
 
 import pytest
 
 from kvplane.sim.calibration import apply_calibration, calibration_for
 from kvplane.sim.config import Scenario
-from kvplane.sim.live_calibration import fit_live, predict, prefill_steps_by_decode
+from kvplane.sim.live_calibration import (
+    decode_interference,
+    fit_live,
+    interference_note,
+    predict,
+)
 from kvplane.sim.profiles import CalibrationProfile
 from kvplane.sim.replay_sim import scenario_for_run
 from kvplane.store import open_store
@@ -48,8 +52,10 @@ WITHIN = {
     "session6-graphs-dense3b": {"B": {0.5: 0.25, 0.9: 0.20}, "C": TARGET},
 }
 # the sessions whose C is slowed by the decode engine sharing the GPU: C's prefills take at
-# least this many times as long while decode runs as while it is idle (same prompt lengths)
-SHARED_GPU_SLOWDOWN = {"session4-graphs": 2.0, "session5-graphs-dense14b": 2.0}
+# least twice as long while decode runs as while it is idle (same prompt lengths); in 4 and 5
+# that is why C is under-predicted (in 3, eager, other errors of the fit hid it)
+SLOWED_C = {"session3-dense14b", "session4-graphs", "session5-graphs-dense14b"}
+MISSED_FOR_IT = {"session4-graphs", "session5-graphs-dense14b"}
 
 
 def _session(session: str, tmp_path: Path) -> str:
@@ -88,13 +94,19 @@ def test_h200_session_fitted_on_a_predicts_the_others(session: str, tmp_path: Pa
     for run, within in WITHIN[session].items():
         for p, tol in within.items():
             assert abs(errors[run][p]) <= tol, (session, run, errors)
-    if session in SHARED_GPU_SLOWDOWN:  # the miss has the cause the docs give it
-        with open_store(url) as store:
-            by = prefill_steps_by_decode(store, "C")
-        both = sorted(set(by["idle"]) & set(by["busy"]))
-        idle = statistics.median(x for n in both for x in by["idle"][n])
-        busy = statistics.median(x for n in both for x in by["busy"][n])
-        assert busy >= SHARED_GPU_SLOWDOWN[session] * idle, (session, idle, busy)
+    if "C" not in errors:
+        return
+    with open_store(url) as store:
+        got = decode_interference(store, "C")
+        note = interference_note(store, "C")
+    assert got is not None, session
+    idle, busy = got
+    if session in SLOWED_C:  # the decode sharing the GPU slowed C's prefills, and we say so
+        assert busy >= 2 * idle, (session, idle, busy)
+        assert note is not None and "share a GPU" in note, note
+    else:
+        assert busy < 1.5 * idle and note is None, (session, idle, busy, note)
+    if session in MISSED_FOR_IT:
         assert all(errors["C"][p] < 0 for p in TARGET), errors  # under-predicted
 
 
@@ -113,6 +125,20 @@ def test_h200_fit_of_one_dense_model_predicts_another(fitted: str, predicted: st
         sc = scenario_for_run(store, store.run("A"))
         scenario = apply_calibration(sc, cal)
         for run in ("A", "B"):
-            res = predict(store, run, scenario, SEEDS)
+            res = predict(store, run, scenario, 5)
             for p, tol in TARGET.items():
                 assert abs(res.error(p)) <= tol, (fitted, predicted, run, p, res.error(p))
+
+
+def test_cli_notes_prefills_slowed_by_a_decode_sharing_the_gpu(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvplane.cli import app
+
+    url = _session("session4-graphs", tmp_path)
+    for run, noted in (("C", True), ("B", False)):
+        res = CliRunner().invoke(app, ["calibrate", "live", "A", "--db", url, "--predict", run,
+                                       "--seeds", "1"])
+        assert res.exit_code == 0, res.output
+        assert f"run {run}:" in res.output
+        assert ("note: run C's one-step prefills" in res.output) is noted, res.output
