@@ -455,7 +455,7 @@ def calibrate_live(
 
     from kvplane.sim.calibration import apply_calibration, calibration_for
     from kvplane.sim.config import ScenarioError, load_scenario
-    from kvplane.sim.live_calibration import describe, fit_live
+    from kvplane.sim.live_calibration import describe, fit_live, interference_note
     from kvplane.sim.live_calibration import predict as predict_run
     from kvplane.sim.replay_sim import scenario_for_run
     from kvplane.store import RunNotFound, open_store
@@ -494,6 +494,9 @@ def calibrate_live(
                 _fail(str(exc))
             for line in pred.lines():
                 typer.echo(line)
+            note = interference_note(store, store.run(predict).id)
+            if note is not None:
+                typer.echo(note)
     text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),
                           sort_keys=False, width=100)
     if out is not None:

@@ -124,8 +124,12 @@ def _pricers(s: _Setting) -> dict[str, list[tuple[float, Callable[[CalibrationPr
         return lambda cal: cc(cal)[0].decode_step_time(batch, batch * ctx)
 
     def prefill_off(n: int, cal: CalibrationProfile) -> float:
-        c, _ = cc(cal)
-        return c.prefill_request_overhead + c.chunked_prefill_time(n, 0, s.chunk)
+        # the harness's window (sim/validate.py `prefill_window`): the request's leg into
+        # prefill, the compute, and the answer's way back to the router
+        c, t = cc(cal)
+        return (c.prefill_request_overhead + cal.request_leg.value
+                + c.chunked_prefill_time(n, 0, s.chunk)
+                + t.notification_time() + cal.response_leg.value)
 
     def ttft_off(n: int) -> Callable[[CalibrationProfile], float]:
         def price(cal: CalibrationProfile) -> float:
@@ -133,7 +137,9 @@ def _pricers(s: _Setting) -> dict[str, list[tuple[float, Callable[[CalibrationPr
             blocks = c.geometry.blocks_for(n)
             runs = max(1, round(blocks / s.p2d_run_blocks[n]))
             p2d = t.kv_timing(c.geometry, blocks, runs, placement="engine_loop", notify=False)
-            return prefill_off(n, cal) + p2d.total_s + c.decode_step_time(1, n)
+            # then the leg into decode, the P->D transfer, one step, the token's way out
+            return (prefill_off(n, cal) + cal.request_leg.value + cal.transfer_setup.value
+                    + p2d.total_s + c.decode_step_time(1, n) + cal.response_leg.value)
         return price
 
     def read(n: int) -> Callable[[CalibrationProfile], float]:

@@ -166,6 +166,7 @@ class SimRequest:
     prefill_received: float = -1.0
     prefill_start: float = -1.0
     prefill_end: float = -1.0
+    prefill_answered: float = -1.0  # the router has prefill's answer (pull: before the relay)
     compute_s: float = 0.0
     reuse_read_s: float = 0.0
     reuse_outcome: str = ""
@@ -1944,6 +1945,7 @@ class Router:
         # prefill's answer comes back through the router (`response_leg`)
         yield sim.env.timeout(sim.costs.message_latency()
                               + sim.hop(sim.costs.response_leg(), "response_leg"))
+        r.prefill_answered = sim.env.now
         r.decode = self.pick_decode(r)  # pull: decode chosen after prefill, freshest load
         hold_id = P.hold_lease_id(r.id, 0)
         hold = pf.core.leases.leases.get(hold_id)

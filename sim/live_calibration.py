@@ -161,6 +161,57 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
     return dict(out)
 
 
+def prefill_steps_by_decode(store: EventStore, run_id: str
+                            ) -> dict[str, dict[int, list[float]]]:
+    """One-step prefills of the run (seconds, by computed tokens), split by what the decode
+    engine did meanwhile: `idle` (no request between its `KVReceived` and its end decoding for
+    most of the step) or `busy`. On one GPU shared by both engines a busy decode slows
+    prefill (CUDA time-slices the two processes); the simulator gives each engine a device of
+    its own, so a workload whose prefills overlap decoding is then not predicted."""
+    traces = _traces(store, run_id).values()
+    decoding = sorted((t.kv_received, t.finished) for t in traces
+                      if t.kv_received is not None and t.finished is not None)
+    out: dict[str, dict[int, list[float]]] = {"idle": defaultdict(list),
+                                              "busy": defaultdict(list)}
+    for t in traces:
+        a, b = t.prefill_started, t.prefill_finished
+        if a is None or b is None or t.cached or b <= a:
+            continue
+        covered, upto = 0.0, a  # the part of [a, b] some request was decoding
+        for lo, hi in decoding:
+            lo, hi = max(lo, upto), min(hi, b)
+            if hi > lo:
+                covered, upto = covered + hi - lo, hi
+        out["busy" if covered > (b - a) / 2 else "idle"][t.computed].append(b - a)
+    return {k: dict(v) for k, v in out.items()}
+
+
+def decode_interference(store: EventStore, run_id: str) -> tuple[float, float] | None:
+    """(idle, busy): the median one-step prefill (seconds) of the prompt lengths the run saw
+    both with decode idle and with decode busy (`prefill_steps_by_decode`); None without such
+    a length. Busy well above idle means the engines share a device (or a host) the twin
+    gives each its own."""
+    by = prefill_steps_by_decode(store, run_id)
+    both = sorted(set(by["idle"]) & set(by["busy"]))
+    if not both:
+        return None
+    return (statistics.median(x for n in both for x in by["idle"][n]),
+            statistics.median(x for n in both for x in by["busy"][n]))
+
+
+def interference_note(store: EventStore, run_id: str, ratio: float = 1.5) -> str | None:
+    """A line for the user when the run's prefills were slowed by decoding (busy at least
+    `ratio` x idle), else None."""
+    got = decode_interference(store, run_id)
+    if got is None or got[1] < ratio * got[0]:
+        return None
+    idle, busy = got
+    return (f"note: run {run_id}'s one-step prefills took {busy * 1e3:.1f} ms (median) while "
+            f"decode was running and {idle * 1e3:.1f} ms while it was idle, same prompt "
+            "lengths: if prefill and decode share a GPU (CUDA time-slices two processes), the "
+            "twin, which gives each engine a device of its own, does not price that")
+
+
 @dataclass
 class LiveFit:
     calibration: CalibrationProfile

@@ -7,7 +7,9 @@ shared 2-core CPU machine, with a model of a size users serve:
    Qwen2.5-14B-shaped one, tests/gpu/gpu_prediction_dense14b.yaml) with random weights (`--load-format dummy`: the matmuls and the
    KV bytes of the real model; the vocabulary is the test tokenizer's 1,024, so nothing is
    downloaded), one prefill and one decode vLLM server (CUDA, bfloat16, block size 16, prefix
-   caching off, eager), both on the one GPU the machine lends, KvplaneConnector over NIXL,
+   caching off; vLLM's default compilation and CUDA graphs, as users run it, or eager with
+   KVPLANE_GPU_EAGER=1, as sessions 1-3 ran), both on the one GPU the machine lends,
+   KvplaneConnector over NIXL,
    `kvplane router` in bidirectional mode;
 2. workloads A (192 single pull requests, prompts 512-3,072 tokens, 16 output tokens, one every
    0.5 s), B (48 conversations of 4 turns, prompts 1,024-2,632 tokens, turns 2-4 reading
@@ -32,6 +34,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -65,12 +69,34 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
         "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40,
         "num_key_value_heads": 8, "head_dim": 128, "use_sliding_window": False}),
+    "dense3b": ("gpu_prediction_dense3b.yaml", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+        "num_key_value_heads": 8, "head_dim": 128}),
 }
 MODEL = os.environ.get("KVPLANE_GPU_MODEL", "dense8b")
 SCENARIO = Path(__file__).with_name(MODELS[MODEL][0])
 SEEDS = 10
 TARGET = {0.5: 0.10, 0.9: 0.20}
 KV_BYTES = 8 << 30  # per server: two engines profiling one GPU count each other's memory
+# eager (no torch.compile, no CUDA graphs) starts in seconds, but a decode step is then bound by
+# kernel launches; users run vLLM's default (compiled, CUDA graphs), so that is the default here
+EAGER = os.environ.get("KVPLANE_GPU_EAGER", "0") == "1"
+MODE = "eager" if EAGER else "compiled, CUDA graphs"
+
+
+def _gpus() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30,
+                             check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+# with two GPUs each engine gets its own, as users deploy (and as the simulator prices); with
+# one (the lent machine), both share it and CUDA time-slices their kernels
+SHARED_GPU = _gpus() < 2
 
 WORKLOAD_A = lw.Workload("A", "pull", 0, (512, 1024, 1536, 2048, 2560, 3072) * 32,
                          max_tokens=16, interval=0.5)
@@ -119,10 +145,14 @@ class GpuServer(_servers.VllmServer):  # type: ignore[misc]
                             ("--gpu-memory-utilization", "0.4"),
                             ("--kv-cache-memory-bytes", str(KV_BYTES))):
             _set(cmd, flag, value)
+        if not EAGER and "--enforce-eager" in cmd:
+            cmd.remove("--enforce-eager")
         return cmd
 
     def start(self) -> None:
         self.env = {**self.env, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+        if not SHARED_GPU:
+            self.env["CUDA_VISIBLE_DEVICES"] = "1" if self.name == "decode" else "0"
         super().start()
 
 
@@ -137,7 +167,10 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
 
     scenario = load_scenario(SCENARIO)
     model = model_dir(_servers.log_dir("gpu-prediction-model"))
+    t0 = time.monotonic()
     cluster = lw.start("gpu-prediction", model=model, server=GpuServer)
+    started = time.monotonic() - t0
+    print(f"servers ready in {started:.0f} s ({MODE})")
     runs_db = cluster.logs / "runs.db"
     runs = f"sqlite:///{runs_db}"
     sampler = lw.HostSampler()
@@ -167,6 +200,7 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     tags = ["A", *res]
     report = [*describe(fit), *own.lines(), *(ln for r in res.values() for ln in r.lines()),
               "host during the blocks: " + "; ".join(sampler.text(w) for w in tags),
+              f"execution: {MODE}; servers ready in {started:.0f} s",
               "verdict: " + ", ".join(f"{w} p{int(p * 100)} {v}"
                                       for (w, p), v in verdicts.items())]
     print("\n" + "\n".join(report))
@@ -179,6 +213,7 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
                        "interval_p90": r.live_interval(0.9), "reads_live": r.reads_live,
                        "reads_twin": r.reads_twin} for w, r in res.items()},
         "host": {w: sampler.summary(w) for w in tags},
+        "execution": MODE, "servers_ready_s": started,
         "verdict": {f"{w} {p}": v for (w, p), v in verdicts.items()}, "report": report},
         indent=1))
     for w in PREDICTED:
@@ -186,4 +221,28 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     later_turns = WORKLOAD_B.conversations * (WORKLOAD_B.turns - 1)
     assert res["B"].reads_live >= later_turns // 2, report
     assert res["B"].reads_twin >= later_turns // 2, report
+    assert all(v == "pass" for (w, _), v in verdicts.items() if w == "B"), report
+    if SHARED_GPU and any(v != "pass" for (w, _), v in verdicts.items() if w == "C"):
+        # C's bursts keep decode busy while prefills run; on one shared GPU that slows them,
+        # which the twin (a device per engine) does not price: a miss, if that is its cause
+        idle, busy = shared_gpu_slowdown(runs, "C")
+        why = (f"C misses and its prefills are not slowed by the decode sharing their GPU "
+               f"({busy:.1f} vs {idle:.1f} ms)")
+        assert busy >= 2 * idle, (why, report)
+        pytest.xfail(f"C: both engines share the one GPU; C's prefills take {busy:.0f} ms "
+                     f"while decode runs, {idle:.0f} ms while it is idle (same prompts); the "
+                     "simulator gives each engine its own device")
     assert all(v == "pass" for v in verdicts.values()), report
+
+
+def shared_gpu_slowdown(runs: str, run: str) -> tuple[float, float]:
+    """Median one-step prefill (ms) of the prompt lengths seen both with decode idle and busy
+    in `run`: (idle, busy)."""
+    from kvplane.sim.live_calibration import decode_interference
+    from kvplane.store import open_store
+
+    with open_store(runs) as store:
+        got = decode_interference(store, run)
+    if got is None:
+        return float("nan"), float("nan")
+    return got[0] * 1e3, got[1] * 1e3

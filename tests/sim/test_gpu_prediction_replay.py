@@ -1,13 +1,18 @@
-"""Two recorded H200 sessions of tests/gpu/gpu_prediction.py, predicted again on this machine.
+"""Recorded H200 sessions of tests/gpu/gpu_prediction.py, predicted again on this machine.
 
 Each session (tests/data/gpu_prediction/sessionN-runs.db.xz, runs A, B and C kept by the GPU
-suite: a Llama-3.1-8B-shaped model on vLLM 0.25.1, 1P1D on one H200, `kvplane router`,
-KvplaneConnector over NIXL) is fitted from run A alone and B (multi-turn, reuse reads) and C
-(bursts of 16 requests a second) are predicted under that fit: TTFT p50 within 10 %, p90
-within 20 % of the recorded. Session 1 is the one whose miss (B +25 % at p50) showed that the
-fit priced transfers on another link than the twin; sessions 2 (the 8B model) and 3 (a
-Qwen2.5-14B-shaped one) were recorded after that change, with nothing tuned to them; session
-3's B misses the p50 target (docs/validation.md, "On an H200").
+suite: vLLM 0.25.1, 1P1D on one H200, `kvplane router`, KvplaneConnector over NIXL) is fitted
+from run A alone and B (multi-turn, reuse reads) and C (bursts of 16 requests a second) are
+predicted under that fit: TTFT p50 within 10 %, p90 within 20 % of the recorded.
+- Sessions 1-3 ran eager (`--enforce-eager`): 1 is the one whose miss (B +25 % at p50) showed
+  that the fit priced transfers on another link than the twin; 2 (Llama-3.1-8B-shaped) and 3
+  (Qwen2.5-14B-shaped) were recorded after that change; 3's B misses the p50 target.
+- Sessions 4-6 ran as users run vLLM (compiled, CUDA graphs), 8B, 14B and a Llama-3.2-3B
+  shape, with nothing changed after session 4's fit code: 6's B misses the p50 target; 4's and
+  5's C miss because both engines share the one GPU (a busy decode slows prefill 3-8x, which
+  the twin, one device per engine, does not price): held to their state, with that cause
+  asserted.
+docs/validation.md, "On an H200", has the table.
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ import pytest
 
 from kvplane.sim.calibration import apply_calibration, calibration_for
 from kvplane.sim.config import Scenario
-from kvplane.sim.live_calibration import fit_live, predict
+from kvplane.sim.live_calibration import (
+    decode_interference,
+    fit_live,
+    interference_note,
+    predict,
+)
+from kvplane.sim.profiles import CalibrationProfile
 from kvplane.sim.replay_sim import scenario_for_run
 from kvplane.store import open_store
 
@@ -36,26 +47,44 @@ WITHIN = {
     "session1": {"B": TARGET},
     "session2": {"B": TARGET, "C": TARGET},
     "session3-dense14b": {"B": {0.5: 0.15, 0.9: 0.20}, "C": TARGET},
+    "session4-graphs": {"B": TARGET, "C": {0.5: 0.65, 0.9: 0.65}},
+    "session5-graphs-dense14b": {"B": TARGET, "C": {0.5: 0.80, 0.9: 0.80}},
+    "session6-graphs-dense3b": {"B": {0.5: 0.25, 0.9: 0.20}, "C": TARGET},
 }
+# the sessions whose C is slowed by the decode engine sharing the GPU: C's prefills take at
+# least twice as long while decode runs as while it is idle (same prompt lengths); in 4 and 5
+# that is why C is under-predicted (in 3, eager, other errors of the fit hid it)
+SLOWED_C = {"session3-dense14b", "session4-graphs", "session5-graphs-dense14b"}
+MISSED_FOR_IT = {"session4-graphs", "session5-graphs-dense14b"}
+
+
+def _session(session: str, tmp_path: Path) -> str:
+    db = tmp_path / f"{session}.db"
+    with lzma.open(DATA / f"{session}-runs.db.xz") as src, db.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return f"sqlite:///{db}"
+
+
+def _fit(url: str) -> tuple[Scenario, CalibrationProfile]:
+    with open_store(url) as store:
+        sc: Scenario = scenario_for_run(store, store.run("A"))
+        fit = fit_live(store, "A", sc.model, sc.hardware, calibration_for(sc),
+                       block_size=sc.engine.block_size, link=sc.link)
+    return sc, fit.calibration
 
 
 @pytest.mark.parametrize("session", sorted(WITHIN))
 def test_h200_session_fitted_on_a_predicts_the_others(session: str, tmp_path: Path) -> None:
-    db = tmp_path / "runs.db"
-    with lzma.open(DATA / f"{session}-runs.db.xz") as src, db.open("wb") as dst:
-        shutil.copyfileobj(src, dst)
-    url = f"sqlite:///{db}"
+    url = _session(session, tmp_path)
+    sc, cal = _fit(url)
     with open_store(url) as store:
-        sc: Scenario = scenario_for_run(store, store.run("A"))
         others = [r.id for r in store.runs() if r.id != "A"]
-        fit = fit_live(store, "A", sc.model, sc.hardware, calibration_for(sc),
-                       block_size=sc.engine.block_size, link=sc.link)
-    per = fit.calibration.transfer_per_descriptor
+    per = cal.transfer_per_descriptor
     # the path (cuda_ipc inside one GPU) costs far less per descriptor than the hardware
     # profile's two-GPU NVLink figure (6 us), and about 5 ms per transfer besides
     assert per is not None and per.value < 1e-6
-    assert 1e-3 < fit.calibration.transfer_setup.value < 20e-3
-    predicted = apply_calibration(sc, fit.calibration)
+    assert 1e-3 < cal.transfer_setup.value < 20e-3
+    predicted = apply_calibration(sc, cal)
     errors = {}
     with open_store(url) as store:
         for run in others:
@@ -65,3 +94,51 @@ def test_h200_session_fitted_on_a_predicts_the_others(session: str, tmp_path: Pa
     for run, within in WITHIN[session].items():
         for p, tol in within.items():
             assert abs(errors[run][p]) <= tol, (session, run, errors)
+    if "C" not in errors:
+        return
+    with open_store(url) as store:
+        got = decode_interference(store, "C")
+        note = interference_note(store, "C")
+    assert got is not None, session
+    idle, busy = got
+    if session in SLOWED_C:  # the decode sharing the GPU slowed C's prefills, and we say so
+        assert busy >= 2 * idle, (session, idle, busy)
+        assert note is not None and "share a GPU" in note, note
+    else:
+        assert busy < 1.5 * idle and note is None, (session, idle, busy, note)
+    if session in MISSED_FOR_IT:
+        assert all(errors["C"][p] < 0 for p in TARGET), errors  # under-predicted
+
+
+@pytest.mark.parametrize(("fitted", "predicted"), [
+    ("session4-graphs", "session5-graphs-dense14b"),
+    ("session5-graphs-dense14b", "session4-graphs")])
+def test_h200_fit_of_one_dense_model_predicts_another(fitted: str, predicted: str,
+                                                       tmp_path: Path) -> None:
+    """With CUDA graphs, the fit of one dense model (its A alone) predicts another model's
+    A and B on the same GPU: the calibration belongs to (model kind, hardware). (Eager it did
+    not: -20 to -40 %, kernel launches dominating; the 3B model's prefill sits on a floor of
+    the host's making, which the 8B's fit does not show: docs/validation.md.)"""
+    _, cal = _fit(_session(fitted, tmp_path))
+    url = _session(predicted, tmp_path)
+    with open_store(url) as store:
+        sc = scenario_for_run(store, store.run("A"))
+        scenario = apply_calibration(sc, cal)
+        for run in ("A", "B"):
+            res = predict(store, run, scenario, 5)
+            for p, tol in TARGET.items():
+                assert abs(res.error(p)) <= tol, (fitted, predicted, run, p, res.error(p))
+
+
+def test_cli_notes_prefills_slowed_by_a_decode_sharing_the_gpu(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvplane.cli import app
+
+    url = _session("session4-graphs", tmp_path)
+    for run, noted in (("C", True), ("B", False)):
+        res = CliRunner().invoke(app, ["calibrate", "live", "A", "--db", url, "--predict", run,
+                                       "--seeds", "1"])
+        assert res.exit_code == 0, res.output
+        assert f"run {run}:" in res.output
+        assert ("note: run C's one-step prefills" in res.output) is noted, res.output

@@ -164,3 +164,43 @@ def test_validate_end_to_end_sorts_every_figure_into_predicted_fitted_or_context
             row = f"`{f.id}`"
             assert (row in fitted) == (f.id in used or any(i in used for i in f.ratio_of or ())), f.id
             assert (row in predicted) != (row in fitted), f.id
+
+
+def test_prefill_duration_is_the_harness_window_and_the_fit_prices_the_same_one() -> None:
+    """The bidirectional study's prefill duration is its proxy's whole call to prefill (the
+    request's leg in, the compute, the answer's leg back: docs/published.md section 2).
+    validate reads that window off the simulator, and the fit prices it: for a lone request
+    the two agree exactly, with the serving legs zero (the GPU calibration) and set."""
+    from kvplane.sim.calibration import _pricers, _Setting, apply_calibration, calibration_for
+    from kvplane.sim.runner import simulate
+    from kvplane.sim.validate import prefill_window
+
+    sc = load_scenario("seed_bidirectional")
+    plain = calibration_for(sc)
+    legs = plain.model_copy(update={k: getattr(plain, k).model_copy(update={"value": v})
+                                    for k, v in (("request_leg", 0.03), ("response_leg", 0.05))})
+    windows, ttfts, priced = {}, {}, {}
+    for cal in (plain, legs):
+        for n, fid in ((2048, "bd-prefill-off-2k"), (24576, "bd-prefill-off-24k")):
+            lone = sc.model_copy(update={"requests": 1, "workload": sc.workload.model_copy(
+                update={"turns": sc.workload.turns.model_copy(update={"mean": 1.0}),
+                        "first_prompt": sc.workload.first_prompt.model_copy(
+                            update={"mean": float(n)})})})
+            point = next(p for p in apply_calibration(lone, cal).points() if not p.bidirectional)
+            r = simulate(point, drain=False)[0].done[0]
+            assert r.prompt == n and r.prefill_end <= r.prefill_answered <= r.first_token
+            setting = _Setting(sc.model, sc.hardware, sc.engine.max_num_batched_tokens,
+                               {n: 1.0}, {n: 1.0}, {n: 0.0})
+            pricers = _pricers(setting)
+            (_, price), = pricers[fid]
+            assert prefill_window(r) == pytest.approx(price(cal), rel=1e-9)
+            windows[cal is legs, n] = prefill_window(r)
+            ttfts[cal is legs, n] = r.first_token - r.arrival
+            (_, price_ttft), = pricers[fid.replace("prefill", "ttft")]
+            priced[cal is legs, n] = price_ttft(cal)
+    for n in (2048, 24576):  # both legs are inside the window, once each
+        assert windows[True, n] - windows[False, n] == pytest.approx(0.08, abs=1e-9)
+        # a TTFT pays both legs twice (prefill and decode; prefill's answer and the first
+        # token), in the simulator and in the fit's price alike
+        assert ttfts[True, n] - ttfts[False, n] == pytest.approx(0.16, abs=1e-9)
+        assert priced[True, n] - priced[False, n] == pytest.approx(0.16, abs=1e-9)
