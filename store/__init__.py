@@ -37,10 +37,15 @@ from .event_store import EventStore, RunInfo, open_store
 from .migrate import (
     by_type,
     current_revision,
+    events_of,
+    events_of_runs,
     has_block_counts,
     has_packed_lists,
+    has_run_keys,
     head_revision,
     model_drift,
+    run_id_of,
+    run_ref,
     upgrade,
 )
 from .recorders import BatchingRecorder, ListRecorder, NullRecorder, Recorder
@@ -78,9 +83,12 @@ __all__ = [
     "current_revision",
     "encode_batch",
     "encode_event",
+    "events_of",
+    "events_of_runs",
     "events_table",
     "has_block_counts",
     "has_packed_lists",
+    "has_run_keys",
     "head_revision",
     "make_engine",
     "merge_lists",
@@ -89,6 +97,8 @@ __all__ = [
     "open_store",
     "payload_of",
     "resolve_url",
+    "run_id_of",
+    "run_ref",
     "runs_table",
     "upgrade",
 ]
