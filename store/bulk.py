@@ -61,7 +61,7 @@ def run_keys(conn: Connection, run_ids: Iterable[str]) -> dict[str, int]:
     """The `runs.key` of each run id (the database gave it when the run was inserted)."""
     ids = list(run_ids)
     found = conn.execute(select(runs_table.c.id, runs_table.c.key)
-                         .where(runs_table.c.id.in_(ids))).tuples().all()
+                         .where(runs_table.c.id.in_(ids))).all()
     keys = {run_id: key for run_id, key in found if key is not None}
     missing = [run_id for run_id in ids if run_id not in keys]
     if missing:

@@ -26,8 +26,8 @@ Rules kept here:
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Final
 
 from alembic.autogenerate import compare_metadata
