@@ -4,9 +4,9 @@ Rules kept here:
 - Read only. Every function takes an `Engine` (from `EventStore.engine`) and run ids, and
   issues plain SQLAlchemy Core against `runs_table` and `events_table`, so it runs alike on
   SQLite and PostgreSQL.
-- The database does the heavy lifting: a query filters on (run, type) or (run, request), the
-  store's two indexes, and folds events into one row per request (or per run) with
-  `GROUP BY` and `MIN(CASE ...)`. What comes back is sized by requests, never by events, and
+- The database does the heavy lifting: a query filters on (run, type) or (run, type,
+  request), the store's covering index, and folds events into one row per request (or per
+  run) with `GROUP BY` and `MIN(CASE ...)`. What comes back is sized by requests, never by events, and
   the per-event read (`request_events`) is for a handful of requests at a time. Percentiles
   are computed here in pandas from one value per request (SQLite has no percentile function).
 - Payload fields are read with the JSON operators SQLAlchemy renders for each backend
@@ -25,6 +25,7 @@ from sqlalchemy import Engine, Integer, String, and_, case, cast, func, select
 
 from kvplane.results import request_stmt
 from kvplane.store import (
+    all_types,
     by_type,
     events_of,
     events_of_runs,
@@ -199,8 +200,9 @@ def request_table(engine: Engine, run_id: str, requests: Sequence[str] | None = 
     (first occurrence), prompt and output tokens, the instances it was routed to, mode,
     cached tokens, TTFT/E2E and ok.
 
-    One `GROUP BY request` over the milestone rows (index (run, request) when `requests` is
-    given: the timeline asks for a page of requests at a time).
+    One `GROUP BY request` over the milestone rows (through the (run, type, request, ...)
+    index, also when `requests` is given: the timeline asks for a page of requests at a
+    time).
     """
     cols: list[Any] = [E.c.request]
     for name, type_name, extra in MILESTONES:
@@ -273,12 +275,15 @@ def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.D
     instance, payload."""
     if not requests:
         return pd.DataFrame(columns=["seq", "time", "type", "request", "instance", "payload"])
-    # Sorted here, not by ORDER BY seq: that would steer SQLite to the (run, seq) key and a
-    # scan of the whole run instead of the (run, request) index.
     lists = [E.c.lists] if has_packed_lists(engine) else []  # block lists packed apart
-    df = _fetch(engine, select(E.c.seq, E.c.time, E.c.type, E.c.request, E.c.instance,
-                               E.c.payload, *lists)
-                .where(events_of(engine, run_id), E.c.request.in_(list(requests))))
+    # Sorted here, not by ORDER BY seq: that would steer SQLite to the (run, seq) key and a
+    # scan of the whole run. Every type named: the (run, type, request, ...) index then finds
+    # the rows, one probe per type and request (the store has no (run, request) index).
+    by_request = by_type(select(E.c.seq, E.c.time, E.c.type, E.c.request, E.c.instance,
+                                E.c.payload, *lists)
+                         .where(events_of(engine, run_id), E.c.type.in_(all_types()),
+                                E.c.request.in_(list(requests))), engine)
+    df = _fetch(engine, by_request)
     if lists:
         df["payload"] = [_with_lists(p, b) for p, b in zip(df["payload"], df.pop("lists"),
                                                            strict=True)]

@@ -35,6 +35,7 @@ from .errors import (
 )
 from .event_store import EventStore, RunInfo, open_store
 from .migrate import (
+    all_types,
     by_type,
     current_revision,
     events_of,
@@ -78,6 +79,7 @@ __all__ = [
     "StoreTooNew",
     "StoreUnreadable",
     "StoredEventUnreadable",
+    "all_types",
     "block_count",
     "by_type",
     "current_revision",

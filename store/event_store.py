@@ -73,6 +73,8 @@ from .errors import (
     StoreUnreadable,
 )
 from .migrate import (
+    all_types,
+    by_type,
     events_of,
     has_packed_lists,
     head_revision,
@@ -328,8 +330,10 @@ class EventStore:
         stmt = stmt.where(events_of(self._engine, run_id))
         if types is not None:
             stmt = stmt.where(events_table.c.type.in_(_type_names(types)))
-        if request is not None:
-            stmt = stmt.where(events_table.c.request == request)
+        if request is not None:  # through the (run, type, request) index, a probe per type
+            if types is None:
+                stmt = stmt.where(events_table.c.type.in_(all_types()))
+            stmt = by_type(stmt.where(events_table.c.request == request), self._engine)
         return stmt
 
     @staticmethod

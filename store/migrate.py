@@ -37,6 +37,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Column, ColumnElement, Connection, Engine, Select, inspect, select, text
 
+from ._core import EVENT_TYPES
 from .engine import WRITE_LOCK
 from .errors import StoreTooNew
 from .schema import VERSION_TABLE, events_table, metadata, runs_table
@@ -151,6 +152,13 @@ def run_id_of(engine: Engine, run: ColumnElement[Any] = events_table.c.run
     beside it (one index probe of `runs` a group)."""
     ids = select(runs_table.c.id).where(run_ref(engine) == run)
     return ids.correlate_except(runs_table).scalar_subquery()
+
+
+def all_types() -> list[str]:
+    """Every event type's name: a read of some requests' events names them all (`type IN
+    (...)`), so that the (run, type, request, ...) index finds the rows, one probe per type
+    and request (revision 0004 dropped the (run, request) index)."""
+    return sorted(EVENT_TYPES)
 
 
 def _has_block_counts(engine: Engine) -> bool:

@@ -19,7 +19,9 @@ Rules kept here:
   PostgreSQL, a trigger on SQLite), and `events.run` holds that key (revision 0004). Every
   B-tree of `events` starts with the run, so a 36-byte text there made every key comparison
   and every index entry of a write longer: the integer key is about a quarter less of the
-  writer's CPU. Readers filter by a run id through `migrate.events_of` / `events_of_runs`
+  writer's CPU. The same revision dropped the (run, request) index (a sixth of a write): the
+  covering index serves a read of some requests when the read names every type
+  (`migrate.all_types`). Readers filter by a run id through `migrate.events_of` / `events_of_runs`
   and name a row's run through `migrate.run_id_of`, which work on every revision (a store
   before 0004, read as it is, has the text id in `events.run`).
 - The migrations in `migrations/versions` create exactly these tables; a test compares them.
@@ -109,8 +111,9 @@ class EventRow(Base):
     __table_args__ = (
         # covering: reads of a run's events by type that need only these columns never
         # touch the rows (payloads); its first two columns serve every (run, type) lookup
+        # (revision 0004 dropped the (run, request) index: a read of some requests names every
+        # type, `all_types`, and this index finds them, one probe per type and request)
         Index("ix_events_run_type_cover", "run", "type", "request", "time", "instance", "blocks"),
-        Index("ix_events_run_request", "run", "request"),
     )
 
     run: Mapped[int] = mapped_column(  # `runs.key`, not the public id (revision 0004)
