@@ -4,7 +4,9 @@ Write side: `open_store(url)` -> `EventStore` (`create_run`, `append`, `events`,
 and the recorders drivers feed (`NullRecorder`, `ListRecorder`, `BatchingRecorder`).
 Commands that only read use `open_store(url, read_only=True)`; the errors in `errors.py` say
 what is wrong with a store (missing, damaged, foreign, newer) or with a run being read.
-Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_table`.
+Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_table`;
+`events.run` is the run's integer `runs.key` (revision 0004), so a read picks a run's events
+with `events_of(engine, run_id)` / `events_of_runs` and names a row's run with `run_id_of`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ Rules kept here:
 - Deleting a run deletes its events; its child runs stay, with their parent set to none.
 
 The read side for dashboards is `EventStore.engine` plus `schema.runs_table` and
-`schema.events_table`: plain SQLAlchemy Core, any aggregate query the backends can run.
+`schema.events_table`: plain SQLAlchemy Core, any aggregate query the backends can run (the
+run part of it through `migrate.events_of` and friends: `events.run` is an integer key).
 """
 
 from __future__ import annotations
