@@ -97,8 +97,11 @@ def biggest_point(path: Path) -> tuple[str, int, int]:
     con = sqlite3.connect(path)
     try:
         total = con.execute("SELECT max(rowid) FROM events").fetchone()[0]
+        # events name their run by `runs.key` from revision 0004 on, by its id before
+        keyed = "key" in {row[1] for row in con.execute("PRAGMA table_info(runs)")}
+        ref = "r.key" if keyed else "r.id"
         run, n = max(((r, int(n)) for r, n in con.execute(
-            "SELECT r.id, (SELECT max(seq) + 1 FROM events e WHERE e.run = r.id) FROM runs r "
+            f"SELECT r.id, (SELECT max(seq) + 1 FROM events e WHERE e.run = {ref}) FROM runs r "
             "WHERE r.kind = 'sim'") if n is not None), key=lambda x: x[1])
     finally:
         con.close()

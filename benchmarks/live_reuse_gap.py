@@ -168,7 +168,8 @@ def analyse(trace_dir: Path, db: Path, run: str, xfers: set[str]) -> dict[str, l
     stamps.sort(key=lambda s: s["t"])
     with sqlite3.connect(db) as con:
         rows = con.execute(
-            "SELECT request, type, time, instance, payload FROM events WHERE run = ? AND "
+            "SELECT request, type, time, instance, payload FROM events WHERE run = "
+            "(SELECT key FROM runs WHERE id = ?) AND "
             "type IN ('TransferCompleted', 'PrefillFinished', 'PrefillStarted')", (run,))
         ev: dict[str, dict[str, float]] = {}
         for xfer, typ, t, inst, payload in rows:

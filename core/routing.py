@@ -6,7 +6,11 @@ Rules kept here:
   simulator and the live router choose alike given the same snapshot.
 - `kv_affinity` sends a conversation's next turn to the decode that retains its KV unless that
   instance is loaded beyond `affinity_slack` more requests than the least loaded one.
-- Ties break by name, so choices are deterministic.
+- Instances equally least loaded take turns: the first of them in name order at or after the
+  caller's count of choices (round robin among the tied). Breaking ties by name alone sent
+  every request to the first idle instance in name order: at a 32-instance cluster the first
+  names served 100x what the last did, and their transfer queues grew without bound.
+- Choices are deterministic: a function of the snapshot and the count, not of input order.
 """
 
 from __future__ import annotations
@@ -49,18 +53,30 @@ Ranked = tuple[int, int, str]
 def choose_ranked(policy: Policy, ranked: Sequence[Ranked], counter: int,
                   affinity: str | None = None) -> str:
     """`choose` over `Ranked` triples, for a driver that snapshots many instances per request
-    (no `Load` object each): the least loaded is the least triple (fewest running and queued,
-    then most free blocks, then name)."""
+    (no `Load` object each): the least loaded is the least (pressure, -free blocks) pair
+    (fewest running and queued, then most free blocks); among several such, the turn of the
+    one at or after `counter` in name order."""
     if not ranked:
         raise ValueError("no instance to choose from")
     if policy.kind == "round_robin":
         return sorted(t[2] for t in ranked)[counter % len(ranked)]
+    if policy.kind not in ("least_loaded", "kv_affinity"):
+        raise ValueError(f"unknown routing policy kind {policy.kind!r}")
     least = min(ranked)
-    if policy.kind == "least_loaded":
-        return least[2]
     if policy.kind == "kv_affinity":
         for pressure, _, name in ranked:
             if name == affinity and pressure <= least[0] + policy.affinity_slack:
                 return name
-        return least[2]
-    raise ValueError(f"unknown routing policy kind {policy.kind!r}")
+    return _turn_among_least(ranked, least, counter)
+
+
+def _turn_among_least(ranked: Sequence[Ranked], least: Ranked, counter: int) -> str:
+    """The least loaded instance whose turn it is: of those ranked equal to `least` (its load
+    and free blocks), the first in name order at or after position `counter` of all names."""
+    tied = [t[2] for t in ranked if t[0] == least[0] and t[1] == least[1]]
+    if len(tied) == 1:
+        return tied[0]
+    names = sorted(t[2] for t in ranked)
+    turn = names[counter % len(names)]
+    later = [n for n in tied if n >= turn]
+    return min(later) if later else min(tied)

@@ -4,9 +4,9 @@ Rules kept here:
 - Read only. Every function takes an `Engine` (from `EventStore.engine`) and run ids, and
   issues plain SQLAlchemy Core against `runs_table` and `events_table`, so it runs alike on
   SQLite and PostgreSQL.
-- The database does the heavy lifting: a query filters on (run, type) or (run, request), the
-  store's two indexes, and folds events into one row per request (or per run) with
-  `GROUP BY` and `MIN(CASE ...)`. What comes back is sized by requests, never by events, and
+- The database does the heavy lifting: a query filters on (run, type) or (run, type,
+  request), the store's covering index, and folds events into one row per request (or per
+  run) with `GROUP BY` and `MIN(CASE ...)`. What comes back is sized by requests, never by events, and
   the per-event read (`request_events`) is for a handful of requests at a time. Percentiles
   are computed here in pandas from one value per request (SQLite has no percentile function).
 - Payload fields are read with the JSON operators SQLAlchemy renders for each backend
@@ -25,11 +25,16 @@ from sqlalchemy import Engine, Integer, String, and_, case, cast, func, select
 
 from kvplane.results import request_stmt
 from kvplane.store import (
+    all_types,
     by_type,
+    events_of,
+    events_of_runs,
     events_table,
     has_block_counts,
     has_packed_lists,
     merge_lists,
+    run_id_of,
+    run_ref,
     runs_table,
 )
 
@@ -111,21 +116,21 @@ def runs(engine: Engine) -> pd.DataFrame:
     # instead of scanning every event of the store for a type
     ids = list(base["id"])
     # events per run: the last seq + 1 (seqs are contiguous from 0), one index probe a run
-    last = select(func.max(E.c.seq)).where(E.c.run == R.c.id).scalar_subquery()
+    last = select(func.max(E.c.seq)).where(E.c.run == run_ref(engine)).scalar_subquery()
     sizes = _fetch(engine, select(R.c.id, (last + 1).label("events")))
     ok = E.c.payload["ok"].as_boolean()
     heads = _typed(engine, select(
-        E.c.run.label("id"),
+        run_id_of(engine).label("id"),
         func.count().label("finished"),
         func.sum(case((ok.is_(False), 1), else_=0)).label("failed"),
         (func.avg(E.c.payload["ttft"].as_float()) * 1e3).label("ttft_ms"),
         (func.avg(E.c.payload["tpot"].as_float()) * 1e3).label("tpot_ms"),
         (func.avg(E.c.payload["e2e"].as_float()) * 1e3).label("e2e_ms"),
-    ).where(E.c.run.in_(ids), E.c.type == "RequestFinished").group_by(E.c.run))
+    ).where(events_of_runs(engine, ids), E.c.type == "RequestFinished").group_by(E.c.run))
     # distinct: a live run records each arrival at every hop (router, prefill, decode)
-    arrived = _typed(engine, select(E.c.run.label("id"),
+    arrived = _typed(engine, select(run_id_of(engine).label("id"),
                                     func.count(func.distinct(E.c.request)).label("requests"))
-                     .where(E.c.run.in_(ids), E.c.type == "RequestArrived")
+                     .where(events_of_runs(engine, ids), E.c.type == "RequestArrived")
                      .group_by(E.c.run))
     kids = _fetch(engine, select(
         R.c.parent.label("id"), func.count().label("children"),
@@ -133,9 +138,9 @@ def runs(engine: Engine) -> pd.DataFrame:
     ).where(R.c.parent.is_not(None)).group_by(R.c.parent))
     lease_count = case((E.c.type == "LeaseGranted", 1), else_=0)
     reuse_count = case((E.c.type == "ReuseDecided", 1), else_=0)
-    marks = _typed(engine, select(E.c.run.label("id"), func.sum(lease_count).label("leases"),
+    marks = _typed(engine, select(run_id_of(engine).label("id"), func.sum(lease_count).label("leases"),
                                   func.sum(reuse_count).label("reuse_decisions"))
-                   .where(E.c.run.in_(ids), E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
+                   .where(events_of_runs(engine, ids), E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
                    .group_by(E.c.run))
     out = base
     for extra in (sizes, arrived, heads, kids, marks):
@@ -175,7 +180,7 @@ def request_index(engine: Engine, run_id: str) -> pd.DataFrame:
     prefill_started, prompt_tokens, output_tokens, mode, prefill, decode, finished, ttft,
     tpot, e2e, ok (`kvplane.results.request_stmt`, the per-request query the CLI shares).
     A few event types, never the whole run."""
-    df = _typed(engine, request_stmt([run_id], fields=(
+    df = _typed(engine, request_stmt(engine, [run_id], fields=(
         "arrived", "prefill_started", "prompt_tokens", "output_tokens", "mode", "prefill",
         "decode", "finished", "ttft", "tpot", "e2e", "ok")))
     if df.empty:
@@ -195,8 +200,9 @@ def request_table(engine: Engine, run_id: str, requests: Sequence[str] | None = 
     (first occurrence), prompt and output tokens, the instances it was routed to, mode,
     cached tokens, TTFT/E2E and ok.
 
-    One `GROUP BY request` over the milestone rows (index (run, request) when `requests` is
-    given: the timeline asks for a page of requests at a time).
+    One `GROUP BY request` over the milestone rows (through the (run, type, request, ...)
+    index, also when `requests` is given: the timeline asks for a page of requests at a
+    time).
     """
     cols: list[Any] = [E.c.request]
     for name, type_name, extra in MILESTONES:
@@ -217,7 +223,7 @@ def request_table(engine: Engine, run_id: str, requests: Sequence[str] | None = 
         func.min(_when("RequestFinished", case((p["ok"].as_boolean().is_(False), 0), else_=1))
                  ).label("ok"),
     ]
-    stmt = select(*cols).where(E.c.run == run_id, E.c.request.is_not(None),
+    stmt = select(*cols).where(events_of(engine, run_id), E.c.request.is_not(None),
                                E.c.type.in_(_MILESTONE_TYPES))
     if requests is not None:
         stmt = stmt.where(E.c.request.in_(list(requests)))
@@ -269,12 +275,15 @@ def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.D
     instance, payload."""
     if not requests:
         return pd.DataFrame(columns=["seq", "time", "type", "request", "instance", "payload"])
-    # Sorted here, not by ORDER BY seq: that would steer SQLite to the (run, seq) key and a
-    # scan of the whole run instead of the (run, request) index.
     lists = [E.c.lists] if has_packed_lists(engine) else []  # block lists packed apart
-    df = _fetch(engine, select(E.c.seq, E.c.time, E.c.type, E.c.request, E.c.instance,
-                               E.c.payload, *lists)
-                .where(E.c.run == run_id, E.c.request.in_(list(requests))))
+    # Sorted here, not by ORDER BY seq: that would steer SQLite to the (run, seq) key and a
+    # scan of the whole run. Every type named: the (run, type, request, ...) index then finds
+    # the rows, one probe per type and request (the store has no (run, request) index).
+    by_request = by_type(select(E.c.seq, E.c.time, E.c.type, E.c.request, E.c.instance,
+                                E.c.payload, *lists)
+                         .where(events_of(engine, run_id), E.c.type.in_(all_types()),
+                                E.c.request.in_(list(requests))), engine)
+    df = _fetch(engine, by_request)
     if lists:
         df["payload"] = [_with_lists(p, b) for p, b in zip(df["payload"], df.pop("lists"),
                                                            strict=True)]
@@ -296,7 +305,7 @@ def finished_requests(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     if not run_ids:
         return pd.DataFrame(columns=["run", "request", "arrived", "prompt_tokens",
                                      "output_tokens", "ttft", "tpot", "e2e", "ok"])
-    df = _typed(engine, request_stmt(run_ids, fields=(
+    df = _typed(engine, request_stmt(engine, run_ids, fields=(
         "arrived", "prompt_tokens", "output_tokens", "mode", "bidirectional", "finished",
         "ttft", "tpot", "e2e", "ok")))
     if df.empty:
@@ -327,11 +336,11 @@ def reuse_outcomes(engine: Engine, run_ids: Sequence[str]) -> pd.DataFrame:
     if not run_ids:
         return pd.DataFrame(columns=["run", "what", "count"])
     outcome = E.c.payload["outcome"].as_string()
-    decided = _typed(engine, select(E.c.run, outcome.label("what"), func.count().label("count"))
-                     .where(E.c.run.in_(list(run_ids)), E.c.type == "ReuseDecided")
+    decided = _typed(engine, select(run_id_of(engine).label("run"), outcome.label("what"), func.count().label("count"))
+                     .where(events_of_runs(engine, run_ids), E.c.type == "ReuseDecided")
                      .group_by(E.c.run, outcome))
-    other = _typed(engine, select(E.c.run, E.c.type.label("what"), func.count().label("count"))
-                   .where(E.c.run.in_(list(run_ids)),
+    other = _typed(engine, select(run_id_of(engine).label("run"), E.c.type.label("what"), func.count().label("count"))
+                   .where(events_of_runs(engine, run_ids),
                           E.c.type.in_(["ReadRefused", "LeaseExpired", "SessionMissed"]))
                    .group_by(E.c.run, E.c.type))
     other["what"] = other["what"].map({"ReadRefused": "read refused",
@@ -352,7 +361,7 @@ def prefill_split(engine: Engine, run_ids: Sequence[str], reuse: bool = True) ->
                                      "read", "cached_tokens", "outcome", "bidirectional"])
     p = E.c.payload
     stmt = select(
-        E.c.run, E.c.request,
+        run_id_of(engine).label("run"), E.c.request,
         func.max(_when("RequestArrived", p["prompt_tokens"].as_integer())).label("prompt_tokens"),
         func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
         func.min(_when("PrefillStarted", E.c.time)).label("ps"),
@@ -363,7 +372,7 @@ def prefill_split(engine: Engine, run_ids: Sequence[str], reuse: bool = True) ->
         func.max(_when("ReuseDecided", p["outcome"].as_string())).label("outcome"),
         func.max(_when("RequestRouted", case((p["bidirectional"].as_boolean().is_(True), 1),
                                              else_=0))).label("bidirectional"),
-    ).where(E.c.run.in_(list(run_ids)), E.c.type.in_([
+    ).where(events_of_runs(engine, run_ids), E.c.type.in_([
         "RequestArrived", "RequestFinished", "PrefillStarted", "PrefillFinished",
         "RequestRouted", *(["TransferPlanned", "TransferCompleted", "ReuseDecided"]
                            if reuse else []),
@@ -390,7 +399,7 @@ def lease_events(engine: Engine, run_id: str) -> pd.DataFrame:
         case((E.c.type == "LeaseGranted", p["purpose"].as_string()), else_=None).label("purpose"),
         case((E.c.type.in_(["LeaseGranted", "LeaseRenewed"]), p["expires_at"].as_float()),
              else_=None).label("expires_at"),
-    ).where(E.c.run == run_id, E.c.type.in_([
+    ).where(events_of(engine, run_id), E.c.type.in_([
         "LeaseGranted", "LeaseRenewed", "LeaseExpired", "LeaseReleased", "LeaseRenewalRefused",
         "ReadRefused",
     ])))
@@ -435,13 +444,13 @@ def run_span(engine: Engine, run_id: str, edge: int = 2000) -> tuple[float, floa
     events by seq (the primary key): events are recorded about in time order (a live run's
     processes interleave by a little), so a million-event run is not scanned for it."""
     with engine.connect() as conn:
-        top = conn.execute(select(func.max(E.c.seq)).where(E.c.run == run_id)).scalar()
+        top = conn.execute(select(func.max(E.c.seq)).where(events_of(engine, run_id))).scalar()
         if top is None:
             return None
         lo = conn.execute(select(func.min(E.c.time)).where(
-            E.c.run == run_id, E.c.seq < edge)).scalar()
+            events_of(engine, run_id), E.c.seq < edge)).scalar()
         hi = conn.execute(select(func.max(E.c.time)).where(
-            E.c.run == run_id, E.c.seq > top - edge)).scalar()
+            events_of(engine, run_id), E.c.seq > top - edge)).scalar()
     if lo is None or hi is None:
         return None
     return float(lo), float(hi)
@@ -453,7 +462,7 @@ def instance_requests(engine: Engine, run_id: str) -> pd.DataFrame:
     prefill_finished, kv_received, first_token, finished (s), ttft, tpot: `request_stmt` with
     two more milestones, one row per request (the fewest rows that tell it)."""
     df = _typed(engine, request_stmt(
-        [run_id], {"prefill_finished": "PrefillFinished", "kv_received": "KVReceived"},
+        engine, [run_id], {"prefill_finished": "PrefillFinished", "kv_received": "KVReceived"},
         fields=("routed", "prefill_started", "prefill", "decode", "finished", "ttft", "tpot")))
     df["arrived"] = df["routed"] if not df.empty else pd.Series(dtype=float)
     # a request without KVReceived (decode computed it locally) runs from its first token,
@@ -483,7 +492,7 @@ def block_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     n = _block_count(engine)
     delta = case((E.c.type == "BlocksReserved", n), else_=-n)
     return _typed(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
-                  .where(E.c.run == run_id, E.c.type.in_(["BlocksReserved", "BlocksFreed"]))
+                  .where(events_of(engine, run_id), E.c.type.in_(["BlocksReserved", "BlocksFreed"]))
                   .group_by(E.c.instance, "bin"))
 
 
@@ -491,7 +500,7 @@ def transfer_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     """KV bytes planned for transfer per (receiving instance, direction, time bin): dst,
     direction, bin, bytes, transfers."""
     p = E.c.payload
-    where = (E.c.run == run_id, E.c.type == "TransferPlanned")
+    where = (events_of(engine, run_id), E.c.type == "TransferPlanned")
     if engine.dialect.name == "sqlite":
         # A TransferPlanned payload carries both block lists (kilobytes), and SQLite parses
         # the whole text for every json_extract: one extract of the three fields as one JSON
@@ -529,7 +538,7 @@ def prefix_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
         func.sum(case((and_(decided, p["outcome"].as_string() == "read"), 1), else_=0)
                  ).label("reuse_read"),
         func.sum(case((decided, 1), else_=0)).label("reuse_decided"),
-    ).where(E.c.run == run_id, E.c.type.in_(["PrefillStarted", "ReuseDecided"]))
+    ).where(events_of(engine, run_id), E.c.type.in_(["PrefillStarted", "ReuseDecided"]))
         .group_by(E.c.instance, "bin"))
 
 

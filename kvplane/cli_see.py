@@ -95,10 +95,10 @@ def twin(
         if run == "latest":
             from sqlalchemy import select
 
-            from kvplane.store import events_table, runs_table
+            from kvplane.store import events_table, run_ref, runs_table
 
             stmt = (select(runs_table.c.id).join(events_table, events_table.c.run ==
-                                                  runs_table.c.id)
+                                                  run_ref(store.engine))
                     .where(events_table.c.type == "RequestArrived",
                            runs_table.c.kind != "replay")  # not a twin of a twin
                     .group_by(runs_table.c.id, runs_table.c.started)

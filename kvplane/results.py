@@ -25,7 +25,17 @@ from typing import Any
 
 from sqlalchemy import Engine, case, cast, func, null, select, union_all
 
-from kvplane.store import EventStore, RunInfo, RunNotFound, by_type, events_table, runs_table
+from kvplane.store import (
+    EventStore,
+    RunInfo,
+    RunNotFound,
+    by_type,
+    events_of,
+    events_of_runs,
+    events_table,
+    run_id_of,
+    runs_table,
+)
 
 E = events_table
 R = runs_table
@@ -124,7 +134,8 @@ def _request_fields() -> dict[str, _Field]:
 REQUEST_FIELDS = tuple(_request_fields())
 
 
-def request_stmt(run_ids: Sequence[str], times: Mapping[str, str] | None = None,
+def request_stmt(engine: Engine, run_ids: Sequence[str],
+                 times: Mapping[str, str] | None = None,
                  fields: Sequence[str] = REQUEST_FIELDS) -> Any:
     """One row per (run, request): run, request and `fields` (of REQUEST_FIELDS: arrived,
     routed, prefill_started, prompt_tokens, output_tokens (generated when finished, else
@@ -152,20 +163,22 @@ def request_stmt(run_ids: Sequence[str], times: Mapping[str, str] | None = None,
         branches.append(select(E.c.run, E.c.request, *(
             (value if t == ty else cast(null(), value.type)).label(col)
             for col, _, t, value in parts)).where(
-            E.c.run.in_(runs), E.c.type == ty, E.c.request.is_not(None)))
+            events_of_runs(engine, runs), E.c.type == ty, E.c.request.is_not(None)))
     rows = union_all(*branches).subquery("per_type") if len(branches) > 1 \
         else branches[0].subquery("per_type")
     outer = []
     for name, (agg, pairs) in spec.items():
         aggs = [agg(rows.c[f"{name}__{i}"]) for i in range(len(pairs))]
         outer.append((aggs[0] if len(aggs) == 1 else func.coalesce(*aggs)).label(name))
-    return select(rows.c.run, rows.c.request, *outer).group_by(rows.c.run, rows.c.request)
+    return select(run_id_of(engine, rows.c.run).label("run"), rows.c.request, *outer
+                  ).group_by(rows.c.run, rows.c.request)
 
 
 def request_rows(engine: Engine, run_id: str) -> list[dict[str, Any]]:
     """One dict per request of the run (REQUEST_COLUMNS), in arrival order."""
     with engine.connect() as conn:
-        rows = [dict(r._mapping) for r in conn.execute(by_type(request_stmt([run_id]), engine))]
+        rows = [dict(r._mapping)
+                for r in conn.execute(by_type(request_stmt(engine, [run_id]), engine))]
     t0 = min((r["arrived"] for r in rows if r["arrived"] is not None), default=0.0)
     out = []
     for r in rows:
@@ -252,11 +265,11 @@ def summarize_run(store: EventStore, run: RunInfo) -> RunSummary:
     rows = request_rows(store.engine, run.id)
     with store.engine.connect() as conn:
         events = int(conn.execute(select(func.count()).select_from(E)
-                                  .where(E.c.run == run.id)).scalar() or 0)
+                                  .where(events_of(store.engine, run.id))).scalar() or 0)
     kids = sorted((r for r in store.runs() if r.parent == run.id), key=lambda r: r.scenario)
     with store.engine.connect() as conn:
         preemptions = int(conn.execute(select(func.count()).select_from(E).where(
-            E.c.run.in_([run.id, *(k.id for k in kids)]),
+            events_of_runs(store.engine, [run.id, *(k.id for k in kids)]),
             E.c.type == "RequestPreempted")).scalar() or 0)
     done = [r for r in rows if r["e2e"] is not None or r["ok"]]
     per_conv: dict[str, list[float]] = {}
@@ -308,12 +321,12 @@ def runs_table_rows(store: EventStore) -> list[dict[str, Any]]:
             .order_by(R.c.started.desc(), R.c.id))]
         p = E.c.payload
         per_req = conn.execute(by_type(select(
-            E.c.run, E.c.request,
+            run_id_of(engine).label("run"), E.c.request,
             func.max(_when("RequestFinished", p["ttft"].as_float())).label("ttft"),
             func.max(_when("RequestFinished", p["tpot"].as_float())).label("tpot"),
             func.max(_when("RequestArrived", p["turn"].as_integer())).label("turn"),
             func.max(_when("RequestArrived", p["conversation"].as_string())).label("conv"),
-        ).where(E.c.run.in_([b["id"] for b in base]),  # the (run, type) index, run by run
+        ).where(events_of_runs(engine, [b["id"] for b in base]),  # (run, type) index, by run
                 E.c.type.in_(["RequestArrived", "RequestFinished"]), E.c.request.is_not(None))
             .group_by(E.c.run, E.c.request), engine)).all()
         kids = dict(conn.execute(select(R.c.parent, func.count()).where(R.c.parent.is_not(None))

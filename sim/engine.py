@@ -1470,11 +1470,16 @@ class DecodeInstance(Instance):
                     self.fallback(r)
 
     def kv_deadline(self, r: SimRequest, at: float) -> None:
+        # the timer holds the request's id, not the request: nearly every request has
+        # finished long before its deadline (480 s by default), and a finished request's
+        # record (its hashes, its token gaps) should go then, not with the timer
+        rid = r.id
+
         def fire(_: Any) -> None:
-            if self.core.phase(r.id, 0) in ("awaiting_kv", "aborting"):
+            if self.core.phase(rid, 0) in ("awaiting_kv", "aborting"):
                 for e in self.do(D.Tick()):
-                    if isinstance(e, KVLoadFailed) and e.request == r.id:
-                        self.fallback(r)
+                    if isinstance(e, KVLoadFailed) and e.request == rid:
+                        self.fallback(self.sim.requests[rid])
 
         self.sim.env.timeout(max(at - self.sim.env.now, 0.0)).callbacks.append(fire)
 

@@ -43,7 +43,7 @@ from kvplane.core.events import (
     RequestFinished,
 )
 from kvplane.store import EventStore, encode_batch, open_store, runs_table
-from kvplane.store.bulk import bulk_insert
+from kvplane.store.bulk import bulk_insert, run_keys
 from kvplane.store.engine import WRITE_LOCK
 
 from .config import ScenarioError, load_scenario
@@ -275,9 +275,10 @@ def _write_bench(store: EventStore, folder: Path, checked: list[BenchFile],
         conn.execute(runs_table.insert(), rows[:1])
         if len(rows) > 1:
             conn.execute(runs_table.insert(), rows[1:])
+        keys = run_keys(conn, [p["run_id"] for p in points])  # the database gave them
         for point, enc in zip(points, encoded, strict=True):
             if enc:
-                bulk_insert(conn, point["run_id"], 0, enc)
+                bulk_insert(conn, keys[point["run_id"]], 0, enc)
     return {"run_id": parent, "points": points}
 
 
@@ -360,5 +361,5 @@ def _store_arrivals(store: EventStore, name: str, meta: dict[str, Any],
         conn.execute(runs_table.insert(), [{
             "id": run_id, "kind": "import", "scenario": name, "started": datetime.now(UTC),
             "parent": None, "schema_version": SCHEMA_VERSION, "meta": meta}])
-        bulk_insert(conn, run_id, 0, enc)
+        bulk_insert(conn, run_keys(conn, [run_id])[run_id], 0, enc)
     return run_id

@@ -4,7 +4,9 @@ Write side: `open_store(url)` -> `EventStore` (`create_run`, `append`, `events`,
 and the recorders drivers feed (`NullRecorder`, `ListRecorder`, `BatchingRecorder`).
 Commands that only read use `open_store(url, read_only=True)`; the errors in `errors.py` say
 what is wrong with a store (missing, damaged, foreign, newer) or with a run being read.
-Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_table`.
+Read side for aggregate SQL: `EventStore.engine` with `runs_table` and `events_table`;
+`events.run` is the run's integer `runs.key` (revision 0004), so a read picks a run's events
+with `events_of(engine, run_id)` / `events_of_runs` and names a row's run with `run_id_of`.
 """
 
 from __future__ import annotations
@@ -35,12 +37,18 @@ from .errors import (
 )
 from .event_store import EventStore, RunInfo, open_store
 from .migrate import (
+    all_types,
     by_type,
     current_revision,
+    events_of,
+    events_of_runs,
     has_block_counts,
     has_packed_lists,
+    has_run_keys,
     head_revision,
     model_drift,
+    run_id_of,
+    run_ref,
     upgrade,
 )
 from .recorders import BatchingRecorder, ListRecorder, NullRecorder, Recorder
@@ -73,14 +81,18 @@ __all__ = [
     "StoreTooNew",
     "StoreUnreadable",
     "StoredEventUnreadable",
+    "all_types",
     "block_count",
     "by_type",
     "current_revision",
     "encode_batch",
     "encode_event",
+    "events_of",
+    "events_of_runs",
     "events_table",
     "has_block_counts",
     "has_packed_lists",
+    "has_run_keys",
     "head_revision",
     "make_engine",
     "merge_lists",
@@ -89,6 +101,8 @@ __all__ = [
     "open_store",
     "payload_of",
     "resolve_url",
+    "run_id_of",
+    "run_ref",
     "runs_table",
     "upgrade",
 ]

@@ -23,14 +23,15 @@ from __future__ import annotations
 import functools
 import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain, count, repeat
 from typing import Any, Final
 
-from sqlalchemy import Connection, insert
+from sqlalchemy import Connection, insert, select
 
 from .encoding import WIDTH, EncodedEvent, FlatRows
-from .schema import events_table
+from .errors import RunNotFound
+from .schema import events_table, runs_table
 
 _COLUMNS: Final = ("run", "seq", *EncodedEvent._fields)
 _SQLITE_ROWS: Final = 3600  # 32400 parameters; SQLite allows 32766 by default since 3.32
@@ -38,29 +39,42 @@ _SQLITE_ROW: Final = "(" + ", ".join("?" * len(_COLUMNS)) + ")"
 _PG_COPY: Final = f"COPY events ({', '.join(_COLUMNS)}) FROM STDIN"
 
 
-def bulk_insert(conn: Connection, run_id: str, first: int,
+def bulk_insert(conn: Connection, run_key: int, first: int,
                 rows: Sequence[EncodedEvent] | FlatRows) -> None:
-    """Insert `rows` as seqs `first`, `first + 1`, ... of `run_id`."""
+    """Insert `rows` as seqs `first`, `first + 1`, ... of the run whose `runs.key` is
+    `run_key` (`run_keys` gives it for a run id)."""
     dialect = conn.dialect.name
     if dialect == "postgresql" and conn.dialect.driver == "psycopg":
-        _copy_postgresql(conn, run_id, first, rows)
+        _copy_postgresql(conn, run_key, first, rows)
     elif dialect == "sqlite":
-        _insert_sqlite(conn, run_id, first, rows)
+        _insert_sqlite(conn, run_key, first, rows)
     else:
         listed = rows.as_rows() if isinstance(rows, FlatRows) else rows
         conn.execute(
             insert(events_table),
-            [{"run": run_id, "seq": first + i, **row._asdict(),
+            [{"run": run_key, "seq": first + i, **row._asdict(),
               "payload": json.loads(row.payload)} for i, row in enumerate(listed)],
         )
 
 
-def _tuples(run_id: str, first: int, rows: Sequence[EncodedEvent] | FlatRows) -> Any:
+def run_keys(conn: Connection, run_ids: Iterable[str]) -> dict[str, int]:
+    """The `runs.key` of each run id (the database gave it when the run was inserted)."""
+    ids = list(run_ids)
+    found = conn.execute(select(runs_table.c.id, runs_table.c.key)
+                         .where(runs_table.c.id.in_(ids))).all()
+    keys = {run_id: key for run_id, key in found if key is not None}
+    missing = [run_id for run_id in ids if run_id not in keys]
+    if missing:
+        raise RunNotFound(missing[0])
+    return keys
+
+
+def _tuples(run_key: int, first: int, rows: Sequence[EncodedEvent] | FlatRows) -> Any:
     """(run, seq, *row) for every row, lazily, in C (no Python frame per row; from flat
     rows, one tuple reused by `zip` for all of them)."""
     if isinstance(rows, FlatRows):
-        return zip(repeat(run_id), count(first), *[iter(rows)] * WIDTH)
-    return map(tuple.__add__, zip(repeat(run_id), count(first)), rows)
+        return zip(repeat(run_key), count(first), *[iter(rows)] * WIDTH)
+    return map(tuple.__add__, zip(repeat(run_key), count(first)), rows)
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,7 +82,7 @@ def _sqlite_insert(rows: int) -> str:
     return f"INSERT INTO events ({', '.join(_COLUMNS)}) VALUES " + ", ".join([_SQLITE_ROW] * rows)
 
 
-def _insert_sqlite(conn: Connection, run_id: str, first: int,
+def _insert_sqlite(conn: Connection, run_key: int, first: int,
                    rows: Sequence[EncodedEvent] | FlatRows) -> None:
     raw: Any = conn.connection.dbapi_connection
     per_statement = min(
@@ -82,16 +96,16 @@ def _insert_sqlite(conn: Connection, run_id: str, first: int,
             end = min(start + per_statement, total)
             chunk: Any = (FlatRows(rows[start * WIDTH:end * WIDTH]) if flat
                           else rows[start:end])
-            values = list(chain.from_iterable(_tuples(run_id, first + start, chunk)))
+            values = list(chain.from_iterable(_tuples(run_key, first + start, chunk)))
             cursor.execute(_sqlite_insert(end - start), values)
     finally:
         cursor.close()
 
 
 def _copy_postgresql(
-    conn: Connection, run_id: str, first: int, rows: Sequence[EncodedEvent] | FlatRows
+    conn: Connection, run_key: int, first: int, rows: Sequence[EncodedEvent] | FlatRows
 ) -> None:
     raw: Any = conn.connection.dbapi_connection
     with raw.cursor() as cursor, cursor.copy(_PG_COPY) as copy:
-        for row in _tuples(run_id, first, rows):
+        for row in _tuples(run_key, first, rows):
             copy.write_row(row)

@@ -26,7 +26,8 @@ Rules kept here:
 - Deleting a run deletes its events; its child runs stay, with their parent set to none.
 
 The read side for dashboards is `EventStore.engine` plus `schema.runs_table` and
-`schema.events_table`: plain SQLAlchemy Core, any aggregate query the backends can run.
+`schema.events_table`: plain SQLAlchemy Core, any aggregate query the backends can run (the
+run part of it through `migrate.events_of` and friends: `events.run` is an integer key).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ from .errors import (
     StoreUnreadable,
 )
 from .migrate import (
+    all_types,
+    by_type,
+    events_of,
     has_packed_lists,
     head_revision,
     known_revisions,
@@ -198,7 +202,7 @@ class EventStore:
             conn.execute(
                 update(runs_table).where(runs_table.c.parent == run_id).values(parent=None)
             )
-            deleted = conn.execute(delete(events_table).where(events_table.c.run == run_id))
+            deleted = conn.execute(delete(events_table).where(events_of(self._engine, run_id)))
             conn.execute(delete(runs_table).where(runs_table.c.id == run_id))
         return int(deleted.rowcount)
 
@@ -218,18 +222,19 @@ class EventStore:
             # last seq is read by a second statement on purpose: under READ COMMITTED only a
             # statement begun after the lock was granted sees the other appender's rows.
             found = conn.execute(
-                select(runs_table.c.id)
+                select(runs_table.c.key)
                 .where(runs_table.c.id == run_id)
                 .with_for_update(key_share=True)
             ).first()
             if found is None:
                 raise RunNotFound(run_id)
+            key = found[0]  # what `events.run` holds (a writer's store is at the head)
             last = conn.execute(
-                select(func.max(events_table.c.seq)).where(events_table.c.run == run_id)
+                select(func.max(events_table.c.seq)).where(events_table.c.run == key)
             ).scalar()
             first = 0 if last is None else int(last) + 1
             if rows:
-                bulk_insert(conn, run_id, first, rows)
+                bulk_insert(conn, key, first, rows)
         return range(first, first + (rows.rows if isinstance(rows, FlatRows) else len(rows)))
 
     def events(
@@ -319,15 +324,17 @@ class EventStore:
                 expected = seq + 1
                 yield _decode_row(run_id, seq, time, type_name, request, instance, raw, lists)
 
-    @staticmethod
     def _filtered(
-        stmt: Select[Any], run_id: str, types: EventTypes | None, request: str | None = None
+        self, stmt: Select[Any], run_id: str, types: EventTypes | None,
+        request: str | None = None,
     ) -> Select[Any]:
-        stmt = stmt.where(events_table.c.run == run_id)
+        stmt = stmt.where(events_of(self._engine, run_id))
         if types is not None:
             stmt = stmt.where(events_table.c.type.in_(_type_names(types)))
-        if request is not None:
-            stmt = stmt.where(events_table.c.request == request)
+        if request is not None:  # through the (run, type, request) index, a probe per type
+            if types is None:
+                stmt = stmt.where(events_table.c.type.in_(all_types()))
+            stmt = by_type(stmt.where(events_table.c.request == request), self._engine)
         return stmt
 
     @staticmethod
@@ -388,8 +395,10 @@ def _say_when_migrating(engine: Engine, where: str) -> None:
 
 
 def _runs_select() -> Select[Any]:
-    # meta as text: a damaged meta is reported by us, naming the run
-    columns = [type_coerce(c, Text).label(c.name) if c.name == "meta" else c for c in runs_table.c]
+    # meta as text: a damaged meta is reported by us, naming the run; not the internal key
+    # (a store before revision 0004, read as it is, has none)
+    columns = [type_coerce(c, Text).label(c.name) if c.name == "meta" else c
+               for c in runs_table.c if c.name != "key"]
     return select(*columns)
 
 

@@ -14,8 +14,10 @@ Rules kept here:
 - An older revision opened read-only is read as it is (a read-only open never writes, so it
   cannot migrate): every read works on every revision here, only slower on one that lacks what
   a later revision added (0002: stored block counts and the covering index; 0003: packed
-  block lists, which only new rows use). `upgrade_note` says so and how to migrate (`kvplane
-  upgrade`); `has_block_counts` and `has_packed_lists` tell readers which SQL to use.
+  block lists, which only new rows use; 0004: integer run keys in `events`). `upgrade_note`
+  says so and how to migrate (`kvplane upgrade`); `has_block_counts` and `has_packed_lists`
+  tell readers which SQL to use, and `events_of`, `events_of_runs` and `run_id_of` write the
+  run part of a read of `events` for the revision at hand.
 - A new revision is written by hand next to `0001_initial.py` (`revision`, `down_revision`,
   `upgrade()`), together with the model change in `schema.py`; `model_drift(engine)` lists any
   difference between a migrated database and the models, and a test insists it is empty.
@@ -24,6 +26,7 @@ Rules kept here:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,11 +35,12 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, Select, inspect, text
+from sqlalchemy import Column, ColumnElement, Connection, Engine, Select, inspect, select, text
 
+from ._core import EVENT_TYPES
 from .engine import WRITE_LOCK
 from .errors import StoreTooNew
-from .schema import VERSION_TABLE, events_table, metadata
+from .schema import VERSION_TABLE, events_table, metadata, runs_table
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 
@@ -111,15 +115,65 @@ def has_packed_lists(engine: Engine) -> bool:
     return "lists" in _event_columns(engine)
 
 
+def has_run_keys(engine: Engine) -> bool:
+    """Whether `events.run` holds the run's integer `runs.key` (revision 0004 on) rather
+    than its text id. Only a yes is remembered: a reader that opened a store before 0004
+    (the dashboard keeps its engine) goes on reading it right after a writer upgrades it."""
+    if "key" in _columns(engine, "runs"):
+        return True
+    _columns.cache_clear()  # asked again next time: a few PRAGMA reads, old stores only
+    return False
+
+
+def run_ref(engine: Engine) -> Column[object]:
+    """The column of `runs` whose value `events.run` holds: `key`, or `id` before 0004."""
+    return runs_table.c.key if has_run_keys(engine) else runs_table.c.id
+
+
+def events_of(engine: Engine, run_id: str) -> ColumnElement[bool]:
+    """The condition on `events` for the rows of the run with public id `run_id`.
+
+    The run's key is a scalar subquery (`runs` by its primary key, evaluated once), so the
+    condition is an equality on the first column of every index of `events`."""
+    key = select(run_ref(engine)).where(runs_table.c.id == run_id).correlate(None)
+    return events_table.c.run == key.scalar_subquery()
+
+
+def events_of_runs(engine: Engine, run_ids: Iterable[str]) -> ColumnElement[bool]:
+    """`events_of` for several runs."""
+    keys = select(run_ref(engine)).where(runs_table.c.id.in_(list(run_ids))).correlate(None)
+    return events_table.c.run.in_(keys)
+
+
+def run_id_of(engine: Engine, run: ColumnElement[Any] = events_table.c.run
+              ) -> ColumnElement[str]:
+    """The public id of the run that `run` (`events.run`, or a subquery's column of it)
+    names, for a select from `events` or that subquery: group by `run` and select this
+    beside it (one index probe of `runs` a group)."""
+    ids = select(runs_table.c.id).where(run_ref(engine) == run)
+    return ids.correlate_except(runs_table).scalar_subquery()
+
+
+def all_types() -> list[str]:
+    """Every event type's name: a read of some requests' events names them all (`type IN
+    (...)`), so that the (run, type, request, ...) index finds the rows, one probe per type
+    and request (revision 0004 dropped the (run, request) index)."""
+    return sorted(EVENT_TYPES)
+
+
 def _has_block_counts(engine: Engine) -> bool:
     return "blocks" in _event_columns(engine)
 
 
-@functools.lru_cache(maxsize=32)
 def _event_columns(engine: Engine) -> frozenset[str]:
+    return _columns(engine, "events")
+
+
+@functools.lru_cache(maxsize=64)
+def _columns(engine: Engine, table: str) -> frozenset[str]:
     # Asked once per engine: a store is only ever migrated forwards, so a stale answer only
     # means the slower (still correct) SQL until the reader opens it again.
-    return frozenset(c["name"] for c in inspect(engine).get_columns("events"))
+    return frozenset(c["name"] for c in inspect(engine).get_columns(table))
 
 
 def upgrade(engine: Engine, to: str = "head") -> None:
@@ -144,7 +198,7 @@ def _migrate(engine: Engine, plan: Any) -> None:
             )
         check_revision(revision_of(connection))
         _run_steps(config, script, connection, plan)
-    _event_columns.cache_clear()
+    _columns.cache_clear()
 
 
 def _run_steps(config: Config, script: ScriptDirectory, connection: Connection,

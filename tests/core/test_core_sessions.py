@@ -162,6 +162,36 @@ def test_least_loaded_breaks_ties_by_free_blocks_then_name() -> None:
     assert choose(Policy("least_loaded"), same, 0) == "a"
 
 
+def test_least_loaded_takes_turns_among_ties() -> None:
+    """Equally least loaded instances take turns with the count of choices: a fleet of idle
+    instances is used evenly, not the first name again and again."""
+    idle = [Load(f"p{k:02d}") for k in range(8)]
+    picks = [choose(Policy("least_loaded"), idle, i) for i in range(16)]
+    assert picks == [f"p{k % 8:02d}" for k in range(16)]
+    # the turn passes over a busier instance to the next tied one, wrapping round the names
+    some = [Load("a", 1), Load("b"), Load("c", 2), Load("d")]
+    assert [choose(Policy("least_loaded"), some, i) for i in range(4)] == ["b", "b", "d", "d"]
+    # kv_affinity without a usable affinity falls back alike
+    assert choose(Policy("kv_affinity"), idle, 3, affinity="gone") == "p03"
+    # a decode's free blocks still rank before the turn
+    assert choose(Policy("least_loaded"), [Load("x", 0, 0, 5), Load("y", 0, 0, 9)], 0) == "y"
+
+
+def test_least_loaded_spreads_a_stream_of_short_requests() -> None:
+    """A driver that sees a request in flight for a short while after each choice (a
+    prefill's compute) spreads a steady stream over every instance, not over the first
+    names: the most used gets at most twice the share of the least used."""
+    names = [f"prefill-{k}" for k in range(32)]
+    busy_until = dict.fromkeys(names, -1)
+    used = dict.fromkeys(names, 0)
+    for i in range(6400):  # one request per tick, each busy for 17 ticks
+        loads = [Load(n, running=int(busy_until[n] > i)) for n in names]
+        n = choose(Policy("least_loaded"), loads, i)
+        busy_until[n] = i + 17
+        used[n] += 1
+    assert max(used.values()) <= 2 * min(used.values()), used
+
+
 def test_kv_affinity_with_slack() -> None:
     p = Policy("kv_affinity", affinity_slack=3)
     assert choose(p, LOADS, 0, affinity="d2") == "d2"  # pressure 4 <= 1 + 3

@@ -126,9 +126,9 @@ def test_a_page_of_requests_reads_only_that_page(see_store, monkeypatch):
             conn.execute(text(
                 "WITH RECURSIVE k(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM k WHERE n < 99) "
                 "INSERT INTO events (run, seq, time, type, request, instance, blocks, "
-                "payload, lists) SELECT :big, k.n * :n + seq, time + k.n * 1000.0, type, "
+                "payload, lists) SELECT (SELECT key FROM runs WHERE id = :big), k.n * :n + seq, time + k.n * 1000.0, type, "
                 "request || '#' || k.n, instance, blocks, payload, lists FROM events, k "
-                "WHERE run = :src"),
+                "WHERE run = (SELECT key FROM runs WHERE id = :src)"),
                 {"big": big, "n": n, "src": src})
         assert store.count(big) == 100 * n
         index = q.request_index(store.engine, big)
@@ -194,18 +194,54 @@ def test_reads_by_type_use_the_covering_index_on_sqlite(tmp_path):
     from sqlalchemy import select
 
     from kvplane.results import request_stmt
-    from kvplane.store import by_type, events_table, open_store
+    from kvplane.store import by_type, events_of, events_table, open_store
 
     E = events_table
     with open_store(f"sqlite:///{tmp_path / 'plan.db'}") as store:
-        grouped = by_type(select(E.c.request, E.c.type).where(E.c.run == "r").group_by(
-            E.c.request, E.c.type), store.engine)
+        grouped = by_type(select(E.c.request, E.c.type).where(events_of(store.engine, "r"))
+                          .group_by(E.c.request, E.c.type), store.engine)
         text = str(grouped.compile(store.engine, compile_kwargs={"literal_binds": True}))
         assert "INDEXED BY ix_events_run_type_cover" in text
-        sql = str(request_stmt(["r"]).compile(store.engine,
-                                             compile_kwargs={"literal_binds": True}))
+        sql = str(request_stmt(store.engine, ["r"]).compile(
+            store.engine, compile_kwargs={"literal_binds": True}))
         with store.engine.connect() as conn:
             plans = [" ".join(str(r[-1]) for r in conn.exec_driver_sql(
                 "EXPLAIN QUERY PLAN " + q)) for q in (text, sql)]
     for plan in plans:
         assert "ix_events_run_type_cover" in plan and "ix_events_run_request" not in plan
+
+
+def test_reads_of_some_requests_probe_the_covering_index(tmp_path):
+    """Revision 0004 dropped the (run, request) index: the timeline's page of requests and
+    `EventStore.events(run, request=...)` name every type, so SQLite searches the (run, type,
+    request, ...) index (one probe per type and request) instead of scanning the run."""
+    from sqlalchemy import event
+
+    from kvplane.core.events import BlocksReserved
+    from kvplane.store import open_store
+
+    with open_store(f"sqlite:///{tmp_path / 'plan.db'}") as store:
+        run = store.create_run("sim", "plan")
+        mine = BlocksReserved(at=1.0, instance="d0", request="a", blocks=(1, 2),
+                              purpose="decode")
+        store.append(run, [mine, BlocksReserved(at=2.0, instance="d0", request="b",
+                                                blocks=(3,), purpose="decode")])
+        seen: list[tuple[str, object]] = []
+
+        def keep(conn, cursor, statement, parameters, context, executemany):
+            if "FROM events" in statement and "EXPLAIN" not in statement:
+                seen.append((statement, parameters))
+
+        event.listen(store.engine, "before_cursor_execute", keep)
+        page = q.request_events(store.engine, run, ["a"])
+        assert list(page["request"]) == ["a"]
+        assert list(store.events(run, request="a")) == [mine]
+        event.remove(store.engine, "before_cursor_execute", keep)
+        reads = [(s, p) for s, p in seen if "request IN" in s or "request = " in s]
+        assert len(reads) == 2, seen
+        with store.engine.connect() as conn:
+            plans = [" ".join(str(r[-1]) for r in conn.exec_driver_sql(
+                "EXPLAIN QUERY PLAN " + s, p)) for s, p in reads]
+    for plan in plans:
+        assert "SEARCH events USING" in plan and "ix_events_run_type_cover (run=? AND type=? " \
+            "AND request=?)" in plan, plan

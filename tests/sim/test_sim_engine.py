@@ -112,6 +112,24 @@ def test_pull_reads_prepared_on_a_reader_thread_stall_nothing_and_replay_clean()
     assert threaded["tpot_ms"]["mean"] <= inline["tpot_ms"]["mean"]
 
 
+def test_least_loaded_fleet_spreads_prefill_legs() -> None:
+    """8 prefill + 4 decode instances, least-loaded routing, prompts arriving faster than one
+    prefill computes them but far below the fleet's capacity: every prefill instance serves
+    a share of them (no more than twice the least used one's), not the first names only."""
+    from collections import Counter
+
+    from kvplane.core.events import RequestRouted
+
+    sc = scenario(BASE, requests=240, engine={},
+                  cluster={"prefill_instances": 8, "decode_instances": 4,
+                           "routing": "least_loaded"},
+                  workload={"qps": 40})
+    _, log, _ = run(sc)
+    legs = Counter(e.prefill for e in log if isinstance(e, RequestRouted))
+    assert len(legs) == 8 and max(legs.values()) <= 2 * min(legs.values()), legs
+    assert replay(log, final=True).ok
+
+
 def test_fragmentation_raises_descriptor_count() -> None:
     def descriptors(run_blocks: float | None, reuse: str = "fifo") -> float:
         _, log, _s = run(scenario(BASE, engine={"pool_run_blocks": run_blocks,

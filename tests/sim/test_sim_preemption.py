@@ -312,7 +312,7 @@ def test_kvplane_show_prints_a_runs_preemptions_from_its_events(tmp_path) -> Non
 
     from kvplane.cli import app
     from kvplane.store import events_table as E
-    from kvplane.store import open_store
+    from kvplane.store import open_store, run_id_of
 
     data = _tight(None)
     data["sweep"] = {"modes": ["push"], "qps": [4, 8]}
@@ -326,7 +326,7 @@ def test_kvplane_show_prints_a_runs_preemptions_from_its_events(tmp_path) -> Non
     summary = json.loads((tmp_path / "s.json").read_text())
     with open_store(db, read_only=True) as store, store.engine.connect() as conn:
         counted = {run: n for run, n in conn.execute(
-            select(E.c.run, func.count()).where(E.c.type == "RequestPreempted")
+            select(run_id_of(store.engine), func.count()).where(E.c.type == "RequestPreempted")
             .group_by(E.c.run))}
     points = summary["points"]
     assert [p["preemptions"] for p in points] == [counted.get(p["run_id"], 0) for p in points]

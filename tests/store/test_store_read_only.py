@@ -28,10 +28,12 @@ from kvplane.store import (
     StoreReadOnly,
     StoreTooNew,
     StoreUnreadable,
+    events_of,
     events_table,
     open_store,
     runs_table,
 )
+from kvplane.store.bulk import run_keys
 from kvplane.store.pg_temp import TemporaryPostgres
 
 # --- read-only opens ---------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def test_a_run_from_a_newer_event_schema_is_refused(store_url: str) -> None:
 def test_a_payload_that_is_not_json_names_run_seq_and_type(tmp_path: Path) -> None:
     url = str(tmp_path / "s.db")
     run = record(url)
-    execute(url, "UPDATE events SET payload = '{\"blocks\": [1, 2' WHERE run = :r AND seq = 7",
+    execute(url, "UPDATE events SET payload = '{\"blocks\": [1, 2' WHERE run = (SELECT key FROM runs WHERE id = :r) AND seq = 7",
             r=run)  # fmt: skip
     with open_store(url, read_only=True) as store:
         events = store.events(run)
@@ -187,7 +189,7 @@ def test_a_payload_that_is_not_json_names_run_seq_and_type(tmp_path: Path) -> No
 def test_postgres_itself_refuses_a_payload_that_is_not_json(postgres_url: str) -> None:
     run = record(postgres_url, clean_run(2))
     with pytest.raises(DBAPIError, match="invalid input syntax for type json"):
-        execute(postgres_url, "UPDATE events SET payload = '{oops' WHERE run = :r", r=run)
+        execute(postgres_url, "UPDATE events SET payload = '{oops' WHERE run = (SELECT key FROM runs WHERE id = :r)", r=run)
 
 
 @pytest.mark.parametrize("payload, why", [
@@ -198,7 +200,7 @@ def test_postgres_itself_refuses_a_payload_that_is_not_json(postgres_url: str) -
 def test_a_malformed_payload_names_run_seq_and_type(store_url: str, payload: str, why: str) -> None:
     run = record(store_url)
     # the whole payload in the JSON, as the slow way and stores before 0003 write it
-    execute(store_url, "UPDATE events SET payload = :p, lists = NULL WHERE run = :r AND seq = 4",
+    execute(store_url, "UPDATE events SET payload = :p, lists = NULL WHERE run = (SELECT key FROM runs WHERE id = :r) AND seq = 4",
             p=payload, r=run)  # fmt: skip
     with (
         open_store(store_url, read_only=True) as store,
@@ -210,11 +212,11 @@ def test_a_malformed_payload_names_run_seq_and_type(store_url: str, payload: str
 
 
 @pytest.mark.parametrize("sql, seq, kind, why", [
-    ("UPDATE events SET lists = :b WHERE run = :r AND seq = 4", 4, "BlocksReserved",
+    ("UPDATE events SET lists = :b WHERE run = (SELECT key FROM runs WHERE id = :r) AND seq = 4", 4, "BlocksReserved",
      "its block lists end before 'blocks'"),
-    ("UPDATE events SET payload = :p WHERE run = :r AND seq = 4", 4, "BlocksReserved",
+    ("UPDATE events SET payload = :p WHERE run = (SELECT key FROM runs WHERE id = :r) AND seq = 4", 4, "BlocksReserved",
      "field 'blocks' is stored twice"),
-    ("UPDATE events SET type = 'FromTheFuture' WHERE run = :r AND seq = 2", 2, "FromTheFuture",
+    ("UPDATE events SET type = 'FromTheFuture' WHERE run = (SELECT key FROM runs WHERE id = :r) AND seq = 2", 2, "FromTheFuture",
      "unknown event type"),
 ])  # fmt: skip
 def test_a_damaged_row_names_run_seq_and_type(store_url: str, sql: str, seq: int, kind: str,
@@ -233,9 +235,9 @@ def test_a_damaged_row_names_run_seq_and_type(store_url: str, sql: str, seq: int
 def test_a_sequence_gap_is_reported(store_url: str) -> None:
     run = record(store_url)
     with open_store(store_url) as store, store.engine.begin() as conn:
-        conn.execute(delete(events_table).where(events_table.c.run == run)
+        conn.execute(delete(events_table).where(events_of(store.engine, run))
                      .where(events_table.c.seq.between(3, 5)))  # fmt: skip
-        conn.execute(delete(events_table).where(events_table.c.run == run)
+        conn.execute(delete(events_table).where(events_of(store.engine, run))
                      .where(events_table.c.seq == 0))  # fmt: skip
     with open_store(store_url, read_only=True) as store:
         with pytest.raises(SequenceGap, match=rf"^run {run}: sequence-gap: event 0 missing$"):
@@ -257,7 +259,7 @@ def test_a_contiguous_run_has_no_gap_however_it_was_batched(store_url: str) -> N
         other = store.create_run("sim", "other")  # another run's events change nothing
         with store.engine.begin() as conn:
             conn.execute(insert(events_table).values(
-                run=other, seq=0, time=0.0, type="BlocksFreed", request="x", instance="d0",
+                run=run_keys(conn, [other])[other], seq=0, time=0.0, type="BlocksFreed", request="x", instance="d0",
                 payload={"blocks": [1], "reason": "r", "attempt": 0}))  # fmt: skip
     with open_store(store_url, read_only=True) as store:
         gaps: list[SequenceGap] = []

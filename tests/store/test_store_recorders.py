@@ -209,7 +209,7 @@ def test_a_trusted_recorder_writes_the_same_rows(store: EventStore) -> None:
         assert list(store.events(run)) == events
         runs.append(run)
     query = text("SELECT seq, time, type, request, instance, blocks, payload, lists "
-                 "FROM events WHERE run = :run ORDER BY seq")
+                 "FROM events WHERE run = (SELECT key FROM runs WHERE id = :run) ORDER BY seq")
     with store.engine.connect() as conn:
         checked, trusted = (conn.execute(query, {"run": r}).all() for r in runs)
     assert checked == trusted and len(checked) == len(events)
