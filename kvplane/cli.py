@@ -494,7 +494,7 @@ def calibrate_live(
                 _fail(str(exc))
             for line in pred.lines():
                 typer.echo(line)
-            note = interference_note(store, store.run(predict).id)
+            note = interference_note(store, pred.run)
             if note is not None:
                 typer.echo(note)
     text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),

@@ -178,7 +178,9 @@ def prefill_steps_by_decode(store: EventStore, run_id: str
         if a is None or b is None or t.cached or b <= a:
             continue
         covered, upto = 0.0, a  # the part of [a, b] some request was decoding
-        for lo, hi in decoding:
+        for lo, hi in decoding:  # by start: none after one starting at b or later overlaps
+            if lo >= b:
+                break
             lo, hi = max(lo, upto), min(hi, b)
             if hi > lo:
                 covered, upto = covered + hi - lo, hi
