@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from sys import getrefcount
 
+from .blocks import RunBlocks
 from .errors import PeerError, ProtocolError
 
 
@@ -42,6 +43,7 @@ def finite(value: float, what: str, *, minimum: float | None = 0.0) -> str | Non
 _FINE: dict[int, tuple[int, ...]] = {}
 _FINE_ROOM = 256
 _FINE_CAP = 4096
+_TUPLES = (tuple, RunBlocks)  # immutable block lists (a `RunBlocks` is a tuple with runs)
 _fine_max = _FINE_ROOM
 
 
@@ -63,21 +65,21 @@ def duplicates(blocks: Sequence[int]) -> str | None:
         if blocks and blocks[0] < 0:
             return f"negative block id {blocks[0]}"
         return None
-    if type(blocks) is tuple and _FINE.get(id(blocks)) is blocks:
+    if type(blocks) in _TUPLES and _FINE.get(id(blocks)) is blocks:
         return None
     if len(set(blocks)) != len(blocks):
         dup = sorted(b for b, n in Counter(blocks).items() if n > 1)
         return f"block ids {dup[:8]} appear more than once"
     if blocks and min(blocks) < 0:
         return f"negative block id {min(blocks)}"
-    if type(blocks) is tuple and len(blocks) > 8:
-        _remember(blocks)
+    if type(blocks) in _TUPLES and len(blocks) > 8:
+        _remember(blocks)  # type: ignore[arg-type]
     return None
 
 
 def found_fine(blocks: Sequence[int]) -> bool:
     """Whether `duplicates` found this very tuple fine lately (no work when it did not)."""
-    return type(blocks) is tuple and _FINE.get(id(blocks)) is blocks
+    return type(blocks) in _TUPLES and _FINE.get(id(blocks)) is blocks
 
 
 def ours(machine: str, given: str, problem: str | None) -> None:

@@ -43,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .blocks import tail
 from .errors import PeerError
 
 ClaimKey = tuple[str, str, int]
@@ -86,10 +87,11 @@ class LoadWindow:
 
     def src(self, blocks: Sequence[int]) -> tuple[int, ...]:
         skip = self.skip_blocks if self.src_skip_blocks is None else self.src_skip_blocks
-        return tuple(blocks[skip:])
+        return tail(blocks, skip) if isinstance(blocks, tuple) else tuple(blocks[skip:])
 
     def dst(self, blocks: Sequence[int]) -> tuple[int, ...]:
-        return tuple(blocks[self.skip_blocks:])
+        skip = self.skip_blocks
+        return tail(blocks, skip) if isinstance(blocks, tuple) else tuple(blocks[skip:])
 
 
 def decode_load(

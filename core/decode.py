@@ -31,9 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from itertools import chain
 from typing import Any, Literal
 
+from .blocks import join
 from .checks import duplicates, finite, ours, theirs
 from .errors import PeerError, ProtocolError
 from .events import (
@@ -199,7 +199,7 @@ class Entry:
         """Every block reserved, in order."""
         parts = self.parts
         if len(parts) > 1:
-            parts[:] = [tuple(chain.from_iterable(parts))]
+            parts[:] = [join(parts)]  # keeps the parts' runs (`blocks.join`)
         return parts[0] if parts else ()
 
     def __eq__(self, other: object) -> bool:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 
+from .blocks import join
 from .checks import found_fine
 from .events import BlocksFreed, BlocksReserved
 
@@ -54,7 +55,7 @@ class Ledger:
         chunks = self.chunks.get(request, ())
         if len(chunks) == 1:
             return chunks[0][1]
-        return tuple(chain.from_iterable(blocks for _, blocks in chunks))
+        return join([blocks for _, blocks in chunks])  # with the chunks' runs (`blocks.join`)
 
     @property
     def owner(self) -> dict[int, str]:

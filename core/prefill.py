@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .blocks import join
 from .checks import duplicates, finite, ours, theirs
 from .errors import PeerError, ProtocolError
 from .events import (
@@ -618,7 +619,7 @@ class PrefillCore(Machine[PrefillCommand]):
     def _on_reserved(self, ev: BlocksReserved, key: Key) -> None:
         self.ledger.apply(ev)
         e = self._open(key)
-        e.blocks = e.blocks + ev.blocks
+        e.blocks = join((e.blocks, ev.blocks))  # with their runs (`blocks.join`)
 
     def _on_freed(self, ev: BlocksFreed, key: Key) -> None:
         self.ledger.apply(ev)

@@ -44,6 +44,7 @@ from kvplane.core import decode as D
 from kvplane.core import prefill as P
 from kvplane.core import router_rules
 from kvplane.core import sessions as S
+from kvplane.core.blocks import RunBlocks, join
 from kvplane.core.events import (
     BlocksFreed,
     EngineStalled,
@@ -484,6 +485,28 @@ class IdDeque:
             self.count += len(ids)
 
 
+def with_runs(arr: np.ndarray, ids: list[int]) -> tuple[int, ...]:
+    """`ids` (the list of `arr`, distinct block ids) as a tuple that carries its runs
+    (`core.blocks.RunBlocks`), cut from the array: where two neighbours are not one apart.
+    Short lists, and lists of many short runs, stay plain tuples (the encoder packs their ids
+    as cheaply)."""
+    n = len(ids)
+    if n < 16:
+        return tuple(ids)
+    d = arr[1:] - arr[:-1]
+    cuts: list[int] = np.flatnonzero(d * d != 1).tolist()  # a run ends at each
+    if 8 * len(cuts) > n:
+        return tuple(ids)
+    cuts.append(n - 1)
+    runs: list[int] = []
+    first = 0
+    for last in cuts:  # per run: its first id, its length, negative when it descends
+        length = last - first + 1
+        runs += (ids[first], -length if length > 1 and ids[first + 1] < ids[first] else length)
+        first = last + 1
+    return RunBlocks(ids, tuple(runs))
+
+
 class FreeBlockQueue:
     """vLLM v1's queue of free blocks.
 
@@ -694,6 +717,9 @@ class BlockPool:
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
+        # hand long lists out with their runs (`RunBlocks`): set while a recorder listens,
+        # whose encoder then packs them per run instead of reading every id
+        self.with_runs = False
 
     @property
     def free(self) -> int:
@@ -711,19 +737,28 @@ class BlockPool:
         if not self.prefix_caching:
             # no hashes and no sharing: a block's holder count is never asked (`give` frees
             # every block of a request whatever it says)
-            return tuple(out)
+            return with_runs(arr, out) if self.with_runs else tuple(out)
         self.ref[arr] = 1
         cached = arr[self.hashed[arr]]
         if len(cached):  # taking a cached block from the head evicts its hash
             self.version += 1
             self.hashed[cached] = False
             self.block_of.remove_values(cached)  # their hashes' entries
-        got = tuple(out)
+        got = with_runs(arr, out) if self.with_runs else tuple(out)
         if n >= 64:  # a prompt's blocks, most often given back as they are: keep the array
             if len(self._taken) >= 256:
                 self._taken.clear()
             self._taken[id(got)] = (got, arr)
         return got
+
+    def joined(self, hit: list[int], new: tuple[int, ...]) -> tuple[int, ...]:
+        """A request's blocks: its prefix-cache hits, then the blocks newly taken (`new`
+        itself when nothing hit), with their runs when lists carry them."""
+        if not hit:
+            return new
+        if not self.with_runs:
+            return (*hit, *new)
+        return join((with_runs(np.asarray(hit, dtype=np.int64), hit), new))
 
     def give(self, blocks: tuple[int, ...]) -> None:
         """Free a request's blocks, tail first."""
@@ -893,6 +928,7 @@ class Instance:
         self.sim, self.name, self.layout = sim, name, layout
         self.pool = BlockPool(blocks, run_blocks, sim.seed_for(name), prefix_caching,
                               sim.cfg.block_reuse)
+        self.pool.with_runs = sim.recording  # lists carry their runs for the recorder
         self.wake = sim.env.event()
         self.nic = simpy.Resource(sim.env, capacity=1)
         self.peers: set[str] = set()
@@ -1111,7 +1147,7 @@ class PrefillInstance(Instance):
             new = self.pool.take(-(-upto // bs) - len(free_hit))
             assert new is not None
             if len(free_hit) == len(hit):  # no stand-ins
-                blocks = (*hit, *new)
+                blocks = self.pool.joined(hit, new)
             elif not free_hit:  # every hit stood in for: all fresh
                 blocks = new
             else:
@@ -1375,7 +1411,7 @@ class DecodeInstance(Instance):
         new = pool.take(need)
         assert new is not None
         self.held[r.id] = len(hit) + need
-        return ((*hit, *new) if hit else new), len(hit) * bs
+        return pool.joined(hit, new), len(hit) * bs
 
     def _chain(self, r: SimRequest, n: int) -> list[int]:
         """The prefix-cache hashes of `r`'s first `n` blocks: the workload's (prompt, and the

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from core.blocks import RunBlocks
     from core.errors import KvplaneError, SchemaError
     from core.events import EVENT_TYPES, SCHEMA_VERSION, Event, decode, encode, validate
 else:
+    from kvplane.core.blocks import RunBlocks
     from kvplane.core.errors import KvplaneError, SchemaError
     from kvplane.core.events import EVENT_TYPES, SCHEMA_VERSION, Event, decode, encode, validate
 
@@ -22,6 +24,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Event",
     "KvplaneError",
+    "RunBlocks",
     "SchemaError",
     "decode",
     "encode",

@@ -60,7 +60,7 @@ from itertools import accumulate, islice
 from operator import sub
 from typing import Any, Literal, NamedTuple, TypeVar, Union
 
-from ._core import EVENT_TYPES, Event, SchemaError, encode, validate
+from ._core import EVENT_TYPES, Event, RunBlocks, SchemaError, encode, validate
 from .errors import EventRefused
 
 _COMMON = ("at", "instance", "request")
@@ -219,7 +219,12 @@ def merge_lists(payload: dict[str, Any], lists: bytes) -> dict[str, Any]:
 #   kind 2: runs of consecutive ids, (start, length) int32 pairs, in the list's order;
 #   kind 3: the first id as int32, then the difference of each id from the one before as a
 #           byte (0-255): an ascending list of near neighbours, the common case;
-#   kind 4: the same with the differences as int16: near neighbours in any order.
+#   kind 4: the same with the differences as int16: near neighbours in any order;
+#   kind 5 (since kvplane's store revision 0005): runs of ids one apart, ascending or
+#           descending, as (start, signed length) int32 pairs: a negative length counts down
+#           from its start (a decode pool's LIFO lists). Written for a list that came with its
+#           runs (`core.blocks.RunBlocks`, the simulator's) when one of them descends; such a
+#           list with ascending runs only is kind 2.
 # The kinds are tried in the order 3, 4, 2, 1, one C-level pass making the deltas; consecutive
 # ids become one run (a 1,024-id list is 13 bytes, not about 5 KB of JSON), and zlib folds the
 # repeats of a long list of deltas (a fragmented decode pool's 1,024 ids: about 500 bytes).
@@ -285,6 +290,18 @@ def _unpack_body(kind: int, body: bytes) -> list[int]:
         if _BIG_ENDIAN:
             steps.byteswap()
         return list(accumulate(steps, initial=_FIRST.unpack_from(body)[0]))
+    if kind == 5 and len(body) % 8 == 0:
+        values = array("i")
+        values.frombytes(body)
+        if _BIG_ENDIAN:
+            values.byteswap()
+        out: list[int] = []
+        for start, length in zip(values[::2], values[1::2], strict=True):
+            if length == 0:
+                raise ValueError("a run of length 0")
+            out.extend(range(start, start + length, 1) if length > 0
+                       else range(start, start + length, -1))
+        return out
     if kind in (1, 2) and len(body) % 4 == 0:
         values = array("i")
         values.frombytes(body)
@@ -464,8 +481,8 @@ def _ints_piece(value: Any) -> bytes | None:
     hit = _INTS_PIECE.get(id(value))
     if hit is not None and hit[0] is value:
         return hit[1]
-    if type(value) is not tuple or not set(map(type, value)) <= _INT_SET:
-        return None
+    if type(value) not in _TUPLES or not set(map(type, value)) <= _INT_SET:
+        return None  # (a `RunBlocks` is checked and packed by its ids: its runs are unchecked)
     piece = _pack_ints(value)
     return None if piece is None else _remember(_INTS_PIECE, value, piece)
 
@@ -478,7 +495,7 @@ def _trusted_piece(value: Any) -> bytes | None:
     if hit is not None and hit[0] is value:
         return hit[1]
     if type(value) is not tuple:
-        return None
+        return _runs_piece(value) if type(value) is RunBlocks else None
     if len(value) == 1:  # a decode step's new block: packed in one call, not kept
         try:
             return _ONE.pack(3, 4, value[0])
@@ -486,6 +503,24 @@ def _trusted_piece(value: Any) -> bytes | None:
             return None
     piece = _pack_ints(value)
     return None if piece is None else _remember(_TRUSTED_PIECE, value, piece)
+
+
+def _runs_piece(value: RunBlocks) -> bytes | None:
+    """The piece of a list that came with its runs (trusted: the maker vouches for them), made
+    per run: kind 2 when every run ascends (the bytes `_pack_ints` makes for one run), kind 5
+    when one descends. A list of many short runs (more bytes than a byte per id) is packed by
+    its ids as any other."""
+    runs = value.runs
+    if not runs:
+        return _HEAD.pack(0, 0)
+    if 4 * len(runs) > len(value) + 4:
+        piece = _pack_ints(value)
+        return None if piece is None else _remember(_TRUSTED_PIECE, value, piece)
+    try:
+        body = _int32s(runs)
+    except (OverflowError, TypeError):  # an id outside int32, or not an int: the core judges
+        return None
+    return _HEAD.pack(2 if min(runs[1::2]) > 0 else 5, len(body)) + body
 
 
 def _strs_json(value: Any) -> str | None:
@@ -521,6 +556,7 @@ def _remember(cache: dict[int, tuple[tuple[Any, ...], _Packed]], value: tuple[An
 
 
 _INT_SET = {int}
+_TUPLES = (tuple, RunBlocks)
 _STR_SET = {str}
 
 

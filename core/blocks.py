@@ -1,0 +1,123 @@
+"""Block lists that carry their runs, so what reads them can work per run, not per block.
+
+Rules kept here:
+- A block list is a tuple of ids everywhere in the protocol (`events.Blocks`). A `RunBlocks`
+  is such a tuple (equal to, hashed and printed as the plain tuple of its ids) that also holds
+  `runs`: its ids as maximal runs of neighbours one apart, flat `(start, signed length, ...)`;
+  a negative length is a descending run (`(9, -3)` is 9, 8, 7), a lone id has length 1.
+- Whoever makes one vouches that `runs` spells its ids (the simulator's pools cut them from
+  the arrays they hold, `sim/engine.py`); the core only passes them on and joins them
+  (`join`, `tail`). A reader that wants the ids ignores `runs`; one that wants runs (the
+  store's encoder: a 1,024-block prompt in 3 runs is 3 pairs to pack, not 1,024 ints to read)
+  takes them as they are.
+- Runs are cut exactly where two neighbours are not one apart. In a list of distinct ids (the
+  core refuses any other: `checks.duplicates`) a run cannot turn round, so that cut is the
+  only one and the runs of a list are unique: `runs_of(ids)` gives them for any list, and
+  joining two lists' runs gives those of the joined list.
+- Pickled (a result sent between processes), a `RunBlocks` is a plain tuple: the runs are a
+  means of the process that made them, never part of what is stored or compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from typing import Any, Self
+
+
+class RunBlocks(tuple[int, ...]):
+    """A block list (a tuple of ids) with its runs (`runs`, see the module)."""
+
+    runs: tuple[int, ...]
+
+    def __new__(cls, ids: Iterable[int], runs: tuple[int, ...]) -> Self:
+        self = super().__new__(cls, ids)
+        self.runs = runs
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (tuple, (tuple(self),))
+
+
+def runs_of(ids: Sequence[int]) -> tuple[int, ...]:
+    """The runs of a list of distinct ids (see the module), walked id by id (for short lists
+    and checks; the simulator cuts long ones from its arrays)."""
+    out: list[int] = []
+    if not ids:
+        return ()
+    start = prev = ids[0]
+    length = 1  # signed once a run has two ids
+    for b in ids[1:]:
+        step = b - prev
+        if length == 1 and step in (1, -1):
+            length = 2 * step
+        elif length > 1 and step == 1:
+            length += 1
+        elif length < 0 and step == -1:
+            length -= 1
+        else:
+            out += (start, length)
+            start, length = b, 1
+        prev = b
+    out += (start, length)
+    return tuple(out)
+
+
+def _last(runs: tuple[int, ...]) -> int:
+    start, length = runs[-2], runs[-1]
+    return start + length - 1 if length > 0 else start + length + 1
+
+
+def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The parts one after another; a `RunBlocks` if every part has runs or is short (its
+    runs are then walked), else a plain tuple."""
+    full = [part for part in parts if part]
+    if len(full) <= 1:  # the very tuple (identity is what memories of lists key on)
+        return full[0] if full else ()
+    parts = full
+    runs: list[int] = []
+    for part in parts:
+        got = part.runs if type(part) is RunBlocks else runs_of(part) if len(part) <= 8 else None
+        if got is None:
+            return tuple(chain.from_iterable(parts))
+        if runs:
+            runs = _joined(runs, got)
+        else:
+            runs = list(got)
+    return RunBlocks(chain.from_iterable(parts), tuple(runs))
+
+
+def _joined(runs: list[int], more: tuple[int, ...]) -> list[int]:
+    """`runs` followed by `more`, the two runs at the seam made one where they continue."""
+    end = _last(tuple(runs[-2:]))
+    start, length = more[0], more[1]
+    step = start - end
+    last_len = runs[-1]
+    if step in (1, -1) and (last_len == 1 or (last_len > 0) == (step > 0)) and (
+            length == 1 or (length > 0) == (step > 0)):
+        merged = abs(last_len) + abs(length)
+        runs[-1] = merged if step > 0 else -merged
+        runs += more[2:]
+        return runs
+    runs += more
+    return runs
+
+
+def tail(blocks: tuple[int, ...], skip: int) -> tuple[int, ...]:
+    """`blocks` from index `skip` on: the very tuple when nothing is skipped (its identity is
+    what the core's and the store's memories key on), with its runs cut when it has them."""
+    if skip <= 0:
+        return blocks
+    if type(blocks) is not RunBlocks:
+        return blocks[skip:]
+    runs = blocks.runs
+    left = skip
+    for i in range(0, len(runs), 2):
+        start, length = runs[i], runs[i + 1]
+        n = abs(length)
+        if left < n:
+            step = 1 if length > 0 else -1
+            rest = (start + left * step, (n - left) * step if n - left > 1 else 1)
+            return RunBlocks(tuple.__getitem__(blocks, slice(skip, None)), rest + runs[i + 2:])
+        left -= n
+    return ()
