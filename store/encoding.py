@@ -279,6 +279,29 @@ def unpack_lists(data: bytes) -> dict[str, list[int]]:
     return out
 
 
+def without_descending_runs(data: bytes) -> bytes | None:
+    """`data` (a `lists` value) written without kind 5, the form a store before revision 0005
+    holds; None when it has no piece of kind 5 (nothing to rewrite). `ValueError` if damaged.
+    """
+    data = bytes(data)
+    if not any(kind == 5 for kind in _kinds(data)):
+        return None
+    return pack_lists(unpack_lists(data).items())
+
+
+def _kinds(data: bytes) -> list[int]:
+    """The kind of each piece of a `lists` value (a zlib-folded piece by its inner kind)."""
+    colon = data.find(b":")
+    if data[:1] != _FORMAT or colon < 0:
+        raise ValueError("its block lists are in an unknown format")
+    kinds, pos = [], colon + 1
+    while pos + _HEAD.size <= len(data):
+        kind, size = _HEAD.unpack_from(data, pos)
+        kinds.append(kind & ~_ZIP)
+        pos += _HEAD.size + size
+    return kinds
+
+
 def _unpack_body(kind: int, body: bytes) -> list[int]:
     if kind == 0 and not body:
         return []

@@ -301,3 +301,36 @@ def test_the_hash_index_removes_by_value_as_by_key() -> None:
         got = index.get(np.array(probe, dtype=np.uint64)).tolist()
         assert got == [ref.get(h, -1) for h in probe]
         assert len(index) == len(ref)
+
+
+def test_while_recording_a_pool_hands_out_long_lists_with_their_runs() -> None:
+    import random
+
+    import numpy as np
+
+    from kvplane.core.blocks import RunBlocks, runs_of
+    from kvplane.sim.engine import with_runs
+
+    rng = random.Random(5)
+    for prefix_caching in (False, True):
+        pool = BlockPool(4096, None, 0, prefix_caching=prefix_caching)
+        pool.with_runs = True
+        held: list[tuple[int, ...]] = []
+        for _ in range(300):  # take and give at random: LIFO reuse makes descending runs
+            got = pool.take(rng.randint(1, 200))
+            if got is not None:
+                assert list(got) == sorted(set(got), key=list(got).index)  # distinct
+                if type(got) is RunBlocks:
+                    assert got.runs == runs_of(got)
+                else:
+                    assert len(got) < 16 or 8 * (len(runs_of(got)) - 1) > len(got)
+                held.append(got)
+            if held and rng.random() < 0.5:
+                pool.give(held.pop(rng.randrange(len(held))))
+        joined = pool.joined([4095, 4094], held[-1]) if held else ()
+        assert joined == (4095, 4094, *held[-1]) if held else True
+    ids = [5, 4, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+    got = with_runs(np.array(ids, dtype=np.int64), ids)
+    assert type(got) is RunBlocks and got.runs == (5, -3, 10, 14)
+    pool = BlockPool(64, None, 0)  # not recording: plain tuples, as before
+    assert type(pool.take(20)) is tuple
