@@ -37,6 +37,13 @@ way: into the JSON. A long list of ids in [0, 2**31) (the pools' case) is packed
 Python step per id: `struct` reads the ids once, and big-integer arithmetic finds the steps
 and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way.
 
+Since revision 0005 the simulator's lists reach the recorder with their runs
+(`core.blocks.RunBlocks`: a tuple that also holds `(start, signed length)` pairs, cut from the
+pools' arrays and joined by the core), and the trusted encoder packs those per run
+(`_runs_piece`: kind 2, or kind 5 when a run descends) without reading a single id: a
+1,024-block list in a few runs costs a few pairs, where reading its ids once cost about as
+much as everything else recording does to the event.
+
 The recorders of the core's own events (`BatchingRecorder(trusted=True)`) encode through
 `encode_trusted`: the same rows, less the check that each block id is an exact int (a step per
 id, as costly as the packing); every other field is checked all the same.

@@ -14,7 +14,8 @@ Rules kept here:
 - An older revision opened read-only is read as it is (a read-only open never writes, so it
   cannot migrate): every read works on every revision here, only slower on one that lacks what
   a later revision added (0002: stored block counts and the covering index; 0003: packed
-  block lists, which only new rows use; 0004: integer run keys in `events`). `upgrade_note`
+  block lists, which only new rows use; 0004: integer run keys in `events`; 0005 changes no
+  table, its rows may hold descending runs, see `encoding.pack_lists`). `upgrade_note`
   says so and how to migrate (`kvplane upgrade`); `has_block_counts` and `has_packed_lists`
   tell readers which SQL to use, and `events_of`, `events_of_runs` and `run_id_of` write the
   run part of a read of `events` for the revision at hand.
@@ -84,11 +85,16 @@ def check_revision(revision: str | None) -> None:
 def upgrade_note(revision: str | None, where: str) -> str | None:
     """What a reader of a store at an older revision should know, or None when it is current."""
     head = head_revision()
-    if revision is None or revision == head:
+    if revision is None or revision == head or revision in _READ_AS_FAST:
         return None
     return (f"the store at {where} has the older schema revision {revision} (this kvplane "
             f"writes {head}): it is read correctly but pages are slower; `kvplane upgrade "
             f"--db {where}` migrates it (a one-time write)")
+
+
+# Revisions whose reads are as fast as the head's: 0005 only widened what `events.lists` may
+# hold (descending runs), so a store at 0004 needs no upgrade to be read well.
+_READ_AS_FAST = frozenset({"0004", "0005"})
 
 
 def has_block_counts(engine: Engine) -> bool:

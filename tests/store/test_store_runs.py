@@ -109,6 +109,7 @@ def test_a_store_written_by_main_s_simulator_opens_and_holds_what_this_tree_simu
     for read_only in (True, False):  # as found (0004), then upgraded by a writer
         with open_store(url, read_only=read_only) as store:
             assert current_revision(store.engine) == ("0004" if read_only else "0005")
+            assert store.upgrade_note is None  # 0004 reads as fast: nothing to suggest
             found = {r.scenario: list(store.events(r.id)) for r in store.runs()}
             assert found == wanted
             for events in found.values():
