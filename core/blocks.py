@@ -63,11 +63,6 @@ def runs_of(ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _last(runs: tuple[int, ...]) -> int:
-    start, length = runs[-2], runs[-1]
-    return start + length - 1 if length > 0 else start + length + 1
-
-
 def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     """The parts one after another; a `RunBlocks` if every part has runs or is short (its
     runs are then walked), else a plain tuple."""
@@ -77,8 +72,13 @@ def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     parts = full
     runs: list[int] = []
     for part in parts:
-        got = part.runs if type(part) is RunBlocks else runs_of(part) if len(part) <= 8 else None
-        if got is None:
+        if type(part) is RunBlocks:
+            got = part.runs
+        elif len(part) == 1:  # a decode step's new block
+            got = (part[0], 1)
+        elif len(part) <= 8:
+            got = runs_of(part)
+        else:
             return tuple(chain.from_iterable(parts))
         if runs:
             runs = _joined(runs, got)
@@ -89,10 +89,10 @@ def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
 
 def _joined(runs: list[int], more: tuple[int, ...]) -> list[int]:
     """`runs` followed by `more`, the two runs at the seam made one where they continue."""
-    end = _last(tuple(runs[-2:]))
+    last_start, last_len = runs[-2], runs[-1]
+    end = last_start + last_len - 1 if last_len > 0 else last_start + last_len + 1
     start, length = more[0], more[1]
     step = start - end
-    last_len = runs[-1]
     if step in (1, -1) and (last_len == 1 or (last_len > 0) == (step > 0)) and (
             length == 1 or (length > 0) == (step > 0)):
         merged = abs(last_len) + abs(length)
