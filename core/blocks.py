@@ -64,12 +64,14 @@ def runs_of(ids: Sequence[int]) -> tuple[int, ...]:
 
 
 def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-    """The parts one after another; a `RunBlocks` if every part has runs or is short (its
-    runs are then walked), else a plain tuple."""
+    """The parts one after another: a `RunBlocks` if some part came with runs and every other
+    is short (its runs are then walked), else a plain tuple (as when no driver gives runs)."""
     full = [part for part in parts if part]
     if len(full) <= 1:  # the very tuple (identity is what memories of lists key on)
         return full[0] if full else ()
     parts = full
+    if type(parts[0]) is not RunBlocks and not any(type(p) is RunBlocks for p in parts):
+        return tuple(chain.from_iterable(parts))  # no driver gave runs: none are made up
     runs: list[int] = []
     for part in parts:
         if type(part) is RunBlocks:

@@ -91,6 +91,8 @@ def test_a_join_with_a_long_list_without_runs_is_a_plain_tuple() -> None:
     assert type(got) is tuple and got == (1, 2, 3, *range(10, 30), 31)
     short = join((with_runs([1, 2, 3]), (4, 5), (9,)))  # short parts' runs are walked
     assert type(short) is RunBlocks and short.runs == (1, 5, 9, 1)
+    plain = join(((1, 2, 3), (4, 5), (9,)))  # no part came with runs: none are made up
+    assert type(plain) is tuple and plain == (1, 2, 3, 4, 5, 9)
 
 
 def test_a_tail_cuts_the_runs_and_skipping_nothing_keeps_the_list() -> None:
