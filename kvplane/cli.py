@@ -438,6 +438,10 @@ def calibrate_live(
         help="Another recorded run to predict with the fit: its twins' TTFT percentiles "
         "against its recorded ones.")] = None,
     seeds: Annotated[int, typer.Option(help="Twins (seeds) pooled for --predict.")] = 20,
+    requests_of: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        "--requests-of", help="With --predict of a run that recorded several workloads "
+        "together: compare only the requests of this recorded run (repeat for each workload; "
+        "the twins simulate them all, as they shared the engines).")] = None,
     host_samples: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help="JSON file of the host's run-queue samples per run ({run: [[time, run queue, "
         "...], ...]}, or a live test's prediction.json with them under host_samples); "
@@ -455,8 +459,12 @@ def calibrate_live(
 
     from kvplane.sim.calibration import apply_calibration, calibration_for
     from kvplane.sim.config import ScenarioError, load_scenario
-    from kvplane.sim.live_calibration import describe, fit_live, interference_note
-    from kvplane.sim.live_calibration import predict as predict_run
+    from kvplane.sim.live_calibration import (
+        describe,
+        fit_live,
+        interference_note,
+        predict_groups,
+    )
     from kvplane.sim.replay_sim import scenario_for_run
     from kvplane.store import RunNotFound, open_store
 
@@ -487,14 +495,19 @@ def calibrate_live(
             typer.echo(line)
         if predict is not None:
             try:
-                pred = predict_run(store, store.run(predict).id,
-                                   apply_calibration(sc, result.calibration), seeds,
-                                   host_samples=samples.get(predict))
+                target = store.run(predict).id
+                groups = None if not requests_of else {
+                    name: {e.request for e in store.events(store.run(name).id,
+                                                           ["RequestArrived"])
+                           if e.request is not None} for name in requests_of}
+                preds = predict_groups(store, target, apply_calibration(sc, result.calibration),
+                                       seeds, host_samples=samples.get(predict), groups=groups)
             except (RunNotFound, ScenarioError, ValueError) as exc:
                 _fail(str(exc))
-            for line in pred.lines():
-                typer.echo(line)
-            note = interference_note(store, pred.run)
+            for pred in preds.values():
+                for line in pred.lines():
+                    typer.echo(line)
+            note = interference_note(store, target)
             if note is not None:
                 typer.echo(note)
     text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),
