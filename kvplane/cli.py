@@ -468,6 +468,8 @@ def calibrate_live(
     from kvplane.sim.replay_sim import scenario_for_run
     from kvplane.store import RunNotFound, open_store
 
+    if requests_of and predict is None:
+        _fail("--requests-of compares requests of a run given to --predict: give --predict")
     samples: dict[str, list[list[float]]] = {}
     if host_samples is not None:
         try:

@@ -256,6 +256,9 @@ def test_cli_predicts_a_run_recorded_together_workload_by_workload(live_db: str)
     bad = CliRunner().invoke(app, ["calibrate", "live", "live-sample", "--db", live_db,
                                    "--predict", "live-sample", "--requests-of", "nope"])
     assert bad.exit_code == 2 and "nope" in bad.output
+    alone = CliRunner().invoke(app, ["calibrate", "live", "live-sample", "--db", live_db,
+                                     "--requests-of", "first-three"])
+    assert alone.exit_code == 2 and "give --predict" in alone.output
 
 
 def test_a_twins_slowdown_draws_keep_the_recorded_mean() -> None:
