@@ -191,13 +191,15 @@ def main() -> None:
                     help="requests per push/pull point when building main (16000: ~1M events)")
     ap.add_argument("--cluster-requests", type=int, default=50000,
                     help="requests of cluster_32p32d when building cluster")
+    ap.add_argument("--cluster-db", type=Path, default=STORES["cluster"],
+                    help="where the cluster store is kept (another file for another size)")
     ap.add_argument("--old-copy", action="store_true",
                     help="keep a copy at the store's revision before migrating, and time it too")
     ap.add_argument("--upgrade", action="store_true", help="migrate the store before timing")
     ap.add_argument("--repeat", type=int, default=1, help="visits per page (best kept)")
     args = ap.parse_args()
     for name in args.stores.split(","):
-        path = STORES[name]
+        path = args.cluster_db if name == "cluster" else STORES[name]
         if args.rebuild or not path.exists():
             if name == "main":
                 build_main(path, args.requests)
