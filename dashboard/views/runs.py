@@ -7,7 +7,6 @@ import pandas as pd
 import streamlit as st
 
 from .. import common
-from ..queries import stats
 
 TITLE = "Runs"
 SLUG = "runs"
@@ -68,8 +67,8 @@ def render(url: str, table: pd.DataFrame) -> None:
             st.subheader(row["scenario"])
             st.caption(f"{row['kind']} · {run_id}")
             if row["requests"]:
-                fin = common.finished_requests(url, (run_id,))
-                figures = pd.DataFrame({m.upper(): stats(fin[m]) for m in ("ttft", "tpot", "e2e")}
+                got = common.request_stats(url, run_id)  # the run's rollup, or its events
+                figures = pd.DataFrame({m.upper(): got[m] for m in ("ttft", "tpot", "e2e")}
                                        ).T[["n", "mean", "p50", "p90", "p99"]]
                 st.dataframe(figures.round(2), width="stretch")
             kids = table[table["parent"] == run_id]
