@@ -287,20 +287,11 @@ def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
 def sweep_scenario(url: str, sweep_id: str) -> dict[str, Any] | None:
     """The scenario of a sweep as recorded or named (with its `published:` section): the
     sweep's own, else the bundled scenario its name or `compare_with` points at."""
-    from kvplane.sim.config import ScenarioError, load_scenario
-
     table = runs(url)
     row = table[table["id"] == sweep_id]
     if row.empty:
         return None
-    meta = row.iloc[0]["meta"] or {}
-    name = meta.get("compare_with") or str(row.iloc[0]["scenario"]).partition(":")[0]
-    if isinstance(meta.get("scenario"), dict) and meta["scenario"].get("published"):
-        return meta["scenario"]
-    try:
-        return load_scenario(name).model_dump(mode="json")
-    except ScenarioError:
-        return None
+    return rollup.sweep_scenario_from(str(row.iloc[0]["scenario"]), row.iloc[0]["meta"])
 
 
 def point_axes(scenario_name: str, meta: dict[str, Any] | None) -> dict[str, Any] | None:

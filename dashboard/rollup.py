@@ -11,6 +11,8 @@ run, and keeps it in the store (`run_rollups`, revision 0005), one part per page
 - `operations`: the run's span and bin width, the per-instance series of the Operations page
   (requests waiting and running reduced to per-bin peaks, KV blocks, prefix hits, transfer
   bytes), the instance counts, and the SLO windows and counts at the page's default SLO;
+- `point`: the run's figures on the Push vs pull page (TTFT and TPOT mean and percentiles,
+  requests) under its sweep's warm-up;
 - `timeline`: the run's request count, prompt-token range, decode instances, and the slowest
   `TIMELINE_TOP` requests by each order the timeline offers (its most shown).
 
@@ -166,6 +168,75 @@ def timeline_digest(reqs: pd.DataFrame) -> dict[str, Any]:
             "decodes": sorted(str(x) for x in reqs["decode"].dropna().unique())}
 
 
+def sweep_scenario_from(scenario: str, meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The scenario of a sweep run (its `runs.scenario` and `meta`) as recorded or named
+    (with its `published:` section): the sweep's own, else the bundled scenario its name or
+    `compare_with` points at."""
+    from kvplane.sim.config import ScenarioError, load_scenario
+
+    meta = meta or {}
+    name = meta.get("compare_with") or str(scenario).partition(":")[0]
+    if isinstance(meta.get("scenario"), dict) and meta["scenario"].get("published"):
+        return dict(meta["scenario"])
+    try:
+        return load_scenario(name).model_dump(mode="json")
+    except ScenarioError:
+        return None
+
+
+def warmup_of(scenario: dict[str, Any] | None) -> tuple[int, int]:
+    """A sweep's warm-up requests and the requests a point of exactly its size has."""
+    warmup = int(scenario.get("warmup_requests", 0)) if scenario else 0
+    expected = int(scenario.get("requests", 0)) + warmup if scenario else 0
+    return warmup, expected
+
+
+def point_figures(fin: pd.DataFrame, meta: dict[str, Any] | None, warmup: int,
+                  expected: int) -> dict[str, Any]:
+    """A sweep point's figures on the Push vs pull page from its finished requests (not
+    empty): ttft_/tpot_ mean, p50, p90, p99 (ms) and requests."""
+    mine = fin.sort_values("arrived")
+    if warmup and meta and "seed" in meta and len(mine) == expected:
+        # a simulated point of exactly the named scenario's size: leave its warm-up
+        # requests out, as the simulator's own summary does (the sweep run does not
+        # record the scenario it ran, so a point of another size keeps every request)
+        mine = mine.iloc[warmup:]
+    rec: dict[str, Any] = {}
+    for metric in ("ttft", "tpot"):
+        s = q.stats(mine[metric] if metric == "ttft" else mine.loc[
+            mine["output_tokens"] > 1, metric])
+        for stat in ("mean", "p50", "p90", "p99"):
+            rec[f"{metric}_{stat}"] = s[stat]
+    rec["requests"] = len(mine)
+    return rec
+
+
+def _point(engine: Engine, run_id: str, fin: pd.DataFrame) -> dict[str, Any] | None:
+    """The `point` part: the run's Push vs pull figures under its parent sweep's warm-up."""
+    from sqlalchemy import select
+
+    from kvplane.store import runs_table as r
+
+    with engine.connect() as conn:
+        row = conn.execute(select(r.c.parent, r.c.meta).where(r.c.id == run_id)).first()
+        parent = None if row is None or row[0] is None else conn.execute(
+            select(r.c.scenario, r.c.meta).where(r.c.id == row[0])).first()
+    if row is None or parent is None or fin.empty:
+        return None
+    warmup, expected = warmup_of(sweep_scenario_from(parent[0], parent[1]))
+    rec = point_figures(fin, row[1], warmup, expected)
+    return {"warmup": warmup, "expected": expected,
+            "figures": {k: _num(v) for k, v in rec.items()}}
+
+
+def point_of(body: dict[str, Any], warmup: int, expected: int) -> dict[str, Any] | None:
+    """The `point` part's figures when kept under this warm-up, else None."""
+    if (body.get("warmup"), body.get("expected")) != (warmup, expected):
+        return None
+    return {k: (int(v) if k == "requests" else as_float(v))
+            for k, v in body["figures"].items()}
+
+
 # --- building and reading ---------------------------------------------------------------------
 
 
@@ -179,6 +250,9 @@ def build(engine: Engine, run_id: str) -> dict[str, dict[str, Any]]:
     parts["stats"] = {m: {k: _num(v) for k, v in q.stats(fin[m] if not fin.empty else
                                                          pd.Series(dtype=float)).items()}
                       for m in ("ttft", "tpot", "e2e")}
+    point = _point(engine, run_id, fin)
+    if point is not None:
+        parts["point"] = point
     ops = operations_series(engine, run_id)
     if ops is not None:
         slo = operations_slo(ops["reqs"], ops["span"], ops["width"], DEFAULT_TTFT_MS,

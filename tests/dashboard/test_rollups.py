@@ -64,6 +64,8 @@ VISITS = [
     ("operations", "reuse_on", {"ops_ttft": 300.0}),  # another SLO: from the requests
     ("timeline", "push_point", None),
     ("timeline", "live", None),
+    ("push-pull", "sweep", None),
+    ("push-pull", "import_sweep", None),
     ("timeline", "reuse_on", {"timeline_order": "queue"}),
     ("timeline", "reuse_on", {"timeline_limit": 5, "timeline_order": "ttft"}),
     ("timeline", "push_point", {"timeline_search": "req-1"}),  # a filter: the whole index
@@ -71,7 +73,8 @@ VISITS = [
 
 
 def test_pages_show_the_same_from_rollups_as_from_events(see_store, monkeypatch):
-    runs = {name: getattr(see_store, name) for name in ("push_point", "live", "reuse_on")}
+    runs = {name: getattr(see_store, name) for name in ("push_point", "live", "reuse_on",
+                                                         "sweep", "import_sweep")}
     before = [visit(see_store, monkeypatch, page, runs[run], widgets)
               for page, run, widgets in VISITS]
     result = CliRunner().invoke(app, ["rollup", "--db", see_store.url])
@@ -91,7 +94,9 @@ def test_pages_show_the_same_from_rollups_as_from_events(see_store, monkeypatch)
 
 def test_first_visits_on_rolled_up_runs_read_no_per_request_rows(see_store, monkeypatch):
     with open_store(see_store.url) as store:
-        for run in (see_store.push_point, see_store.reuse_on):
+        points = [r.id for r in store.runs() if r.parent == see_store.sweep]
+        rolled = (*points, see_store.reuse_on)
+        for run in rolled:
             rollup.write(store, run)
 
     def refuse(*_: Any, **__: Any) -> Any:
@@ -99,8 +104,7 @@ def test_first_visits_on_rolled_up_runs_read_no_per_request_rows(see_store, monk
 
     # the runs without a rollup still need their figures for the Runs table: read them now
     with open_store(see_store.url, read_only=True) as store:
-        others = [r.id for r in store.runs() if r.id not in (see_store.push_point,
-                                                              see_store.reuse_on)]
+        others = [r.id for r in store.runs() if r.id not in rolled]
         heads = q.run_heads(store.engine, others)
 
     def others_heads(_engine: Any, ids: list[str]) -> pd.DataFrame:
@@ -116,6 +120,8 @@ def test_first_visits_on_rolled_up_runs_read_no_per_request_rows(see_store, monk
     for page in ("runs", "operations", "timeline"):
         got = visit(see_store, monkeypatch, page, see_store.reuse_on)
         assert got["figures"] or got["tables"], page
+    got = visit(see_store, monkeypatch, "push-pull", see_store.sweep)  # its points
+    assert got["figures"] and got["tables"]
     # a filter on the timeline needs the whole index: read (and refused here)
     with pytest.raises(AssertionError, match="read the run's requests"):
         visit(see_store, monkeypatch, "timeline", see_store.reuse_on, {"timeline_failed": True})
