@@ -155,3 +155,28 @@ def test_rollup_figures_equal_the_event_level_ones(see_store_master):
             assert len(top) == min(len(reqs), rollup.TIMELINE_TOP)
             assert top["e2e"].fillna(-1).tolist() == want.fillna(-1).head(len(top)).tolist()
             assert set(top["request"]) <= set(reqs["request"])
+
+
+def test_sim_run_rolls_up_each_point_it_records(tmp_path):
+    import yaml
+
+    from kvplane.sim.config import Sweep, load_scenario
+
+    sc = load_scenario("seed_push_vs_pull").model_copy(update={
+        "requests": 6, "warmup_requests": 0,
+        "sweep": Sweep(modes=["push", "pull"], qps=[4.0], input_lens=[1024])})
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(sc.model_dump(mode="json")))
+    db = f"sqlite:///{tmp_path / 'k.db'}"
+    res = CliRunner().invoke(app, ["sim", "run", str(path), "--db", db])
+    assert res.exit_code == 0, res.output
+    with open_store(db, read_only=True) as store:
+        points = [r.id for r in store.runs() if r.parent is not None]
+        assert len(points) == 2
+        heads = store.rollups(points, "heads")
+        assert set(heads) == set(points)
+        want = q.run_heads(store.engine, points).set_index("id")
+        for run in points:
+            assert heads[run]["finished"] == want.loc[run, "finished"] == 6
+            assert heads[run]["ttft_ms"] == want.loc[run, "ttft_ms"]
+            assert set(store.rollups([run], "timeline")) == {run}
