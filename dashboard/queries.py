@@ -105,14 +105,15 @@ def runs(engine: Engine) -> pd.DataFrame:
 
     Columns: id, kind, scenario, started, parent, meta, events, requests, finished, failed,
     ttft_ms, tpot_ms, e2e_ms (means over finished requests), children, points (children of
-    kind sim or import: sweep points), leases (granted), reuse_decisions.
+    kind sim or import: sweep points), leases (granted), reuse_decisions, rollup (whether the
+    run has a current rollup, `rollup.py`).
     """
     base = _fetch(engine, select(R.c.id, R.c.kind, R.c.scenario, R.c.started, R.c.parent,
                                  R.c.meta).order_by(R.c.started.desc(), R.c.id))
     if base.empty:
         return base.assign(events=[], requests=[], finished=[], failed=[], ttft_ms=[],
                            tpot_ms=[], e2e_ms=[], children=[], points=[], leases=[],
-                           reuse_decisions=[])
+                           reuse_decisions=[], rollup=[])
     # every filtered read names the runs, so it walks the (run, type) index run by run
     # instead of scanning every event of the store for a type
     ids = list(base["id"])
@@ -139,6 +140,7 @@ def runs(engine: Engine) -> pd.DataFrame:
     for col in ("events", "requests", "finished", "failed", "children", "points", "leases",
                 "reuse_decisions"):
         out[col] = out[col].fillna(0).astype(int)
+    out["rollup"] = out["id"].isin(list(rolled))
     # imported summaries without per-request events: headline figures from meta.summary
     for i, meta in enumerate(out["meta"]):
         summary = meta.get("summary") if isinstance(meta, dict) else None

@@ -26,6 +26,7 @@ Rules kept here:
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
@@ -143,7 +144,7 @@ def has_rollups(engine: Engine) -> bool:
     return engine in _ROLLUPS_SEEN
 
 
-_ROLLUPS_SEEN: set[Engine] = set()
+_ROLLUPS_SEEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # forgets disposed engines
 
 
 def fresh_rollups(engine: Engine, run_ids: Iterable[str], part: str

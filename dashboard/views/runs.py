@@ -8,6 +8,8 @@ import streamlit as st
 
 from .. import common
 
+#: A run this long without a rollup gets a hint on how to write one.
+LONG_RUN_EVENTS = 200_000
 TITLE = "Runs"
 SLUG = "runs"
 
@@ -44,6 +46,11 @@ def render(url: str, table: pd.DataFrame) -> None:
         "id": view["id"],
     })
     st.caption(f"{len(view)} of {len(table)} runs · {int(table['events'].sum()):,} events")
+    slow = table[(table["events"] >= LONG_RUN_EVENTS) & ~table["rollup"]]
+    if not slow.empty:
+        st.caption(f"{len(slow)} run(s) of {LONG_RUN_EVENTS:,} events or more without a current "
+                   "rollup: their pages read every request of the run. `kvplane rollup` "
+                   "writes their rollups (`kvplane sim run` does for the points it records).")
     st.dataframe(shown, hide_index=True, width="stretch", key="runs_table")
 
     ids = list(table["id"])
