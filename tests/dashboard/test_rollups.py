@@ -180,3 +180,20 @@ def test_sim_run_rolls_up_each_point_it_records(tmp_path):
             assert heads[run]["finished"] == want.loc[run, "finished"] == 6
             assert heads[run]["ttft_ms"] == want.loc[run, "ttft_ms"]
             assert set(store.rollups([run], "timeline")) == {run}
+
+
+def test_runs_page_names_kvplane_rollup_for_long_runs_without_one(see_store, monkeypatch):
+    from kvplane.dashboard.views import runs as runs_view
+
+    monkeypatch.setattr(runs_view, "LONG_RUN_EVENTS", 100)  # the store's runs are small
+    with open_store(see_store.url, read_only=True) as store:
+        long = [r.id for r in store.runs() if store.count(r.id) >= 100]
+    assert long
+    got = visit(see_store, monkeypatch, "runs", see_store.push_point)
+    hint = [c for c in got["captions"] if "kvplane rollup" in c]
+    assert hint and hint[0].startswith(f"{len(long)} run(s) of 100 events or more")
+    with open_store(see_store.url) as store:
+        rollup.write(store, long[0])
+    got = visit(see_store, monkeypatch, "runs", see_store.push_point)
+    hint = [c for c in got["captions"] if "kvplane rollup" in c]
+    assert (hint[0].startswith(f"{len(long) - 1} run(s)") if len(long) > 1 else not hint)
