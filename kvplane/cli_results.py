@@ -55,8 +55,9 @@ def upgrade(db: DbOpt = None) -> None:
     Reading commands and the dashboard read an older store as it is, correctly but slower
     (revision 0002 adds block counts beside the events and a covering index; 0003 packs new
     events' block lists apart from their JSON, leaving stored rows as they are; 0004 names
-    each event's run by an integer key, rewriting the events once); every writing command
-    migrates it anyway. This does only that, once, and says what it did."""
+    each event's run by an integer key, rewriting the events once; 0005 adds the table of
+    per-run rollups, empty: `kvplane rollup` fills it); every writing command migrates it
+    anyway. This does only that, once, and says what it did."""
     import time
 
     from kvplane.store import current_revision, head_revision, make_engine, open_store
