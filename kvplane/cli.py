@@ -136,7 +136,12 @@ def _roll_up(summary: dict[str, Any], db: str | None) -> None:
         return
     with open_store(db) as store:  # as given: the summary's URL hides a password
         for run_id in ids:
-            rollup.write(store, run_id)
+            try:
+                rollup.write(store, run_id)
+            except Exception as exc:  # noqa: BLE001 - the run is recorded; say so, go on
+                typer.secho(f"warning: no rollup for run {run_id} ({type(exc).__name__}: "
+                            f"{exc}); the dashboard reads its events, `kvplane rollup "
+                            f"{run_id[:8]}` tries again", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command()
