@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -109,6 +109,8 @@ def sim_run(
         return
     from kvplane.sim.report import points_table
 
+    if not no_record:
+        _roll_up(summary, db)
     typer.echo(points_table(summary["points"]))
     if summary.get("run_id"):
         typer.echo(f"\nrun {summary['run_id']} recorded in {summary['db']}")
@@ -117,6 +119,29 @@ def sim_run(
 
         out.write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
         typer.echo(f"summary written to {out}")
+
+
+def _roll_up(summary: dict[str, Any], db: str | None) -> None:
+    """The dashboard's rollup of each point run just recorded (`kvplane.dashboard.rollup`):
+    its pages then open on them without reading their events again. Without the dashboard
+    extra (pandas) there is no dashboard to serve: nothing to do."""
+    try:
+        from kvplane.dashboard import rollup
+    except ImportError:
+        return
+    from kvplane.store import open_store
+
+    ids = [p["run_id"] for p in summary.get("points", []) if p.get("run_id")]
+    if not ids:
+        return
+    with open_store(db) as store:  # as given: the summary's URL hides a password
+        for run_id in ids:
+            try:
+                rollup.write(store, run_id)
+            except Exception as exc:  # noqa: BLE001 - the run is recorded; say so, go on
+                typer.secho(f"warning: no rollup for run {run_id} ({type(exc).__name__}: "
+                            f"{exc}); the dashboard reads its events, `kvplane rollup "
+                            f"{run_id[:8]}` tries again", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command()
