@@ -187,6 +187,7 @@ class SimRequest:
     preemptions: int = 0  # times an instance preempted it (vLLM's num_preemptions)
     last_token: float = -1.0  # when decode's last step for it ended
     itl: list[tuple[float, int]] = field(default_factory=list)
+    rank: int = -1  # its place in its workload's arrival order (a streaming summary's warm-up)
 
 
 @dataclass(slots=True)
