@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from itertools import chain
 from math import isnan
 from typing import Any
 
@@ -118,12 +117,7 @@ class StreamingSummary:
     def add(self, r: SimRequest) -> None:
         warm = r.rank < self.warmup
         if r.itl and not warm:
-            # (gap, tokens) pairs as two contiguous float rows, read in C (`np.array` of a
-            # list of tuples inspects each tuple: slower than two generator passes)
-            n = len(r.itl)
-            values, weights = np.fromiter(chain.from_iterable(r.itl), float, 2 * n
-                                          ).reshape(n, 2).T
-            self.itl.extend(values, weights)
+            self.itl.extend_pairs(r.itl)  # (gap, tokens) pairs
         if r.runs:
             self.runs += r.runs
             self.run_blocks += -(-r.prompt // self.block_size)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Sequence
+from operator import itemgetter
 
 import numpy as np
 
@@ -38,6 +40,7 @@ _READ = np.empty(_BUCKETS)
 _READ[1:] = LOW * _G ** np.arange(_BUCKETS - 1) * (2 * _G / (1 + _G))
 EXACT_UP_TO = 1 << 17  # values kept exactly (about 1 MiB a stream)
 _FOLD = 4096
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 class Quantiles:
@@ -79,6 +82,14 @@ class Quantiles:
         if self.weights is not None:
             w = np.ones(len(values)) if weights is None else weights
             self.weights.frombytes(np.ascontiguousarray(w, dtype=float).tobytes())
+        if len(self.values) > (self.exact_up_to if self.counts is None else _FOLD):
+            self._fold()
+
+    def extend_pairs(self, pairs: Sequence[tuple[float, float]]) -> None:
+        """(value, weight) pairs of a weighted stream, read in C."""
+        assert self.weights is not None
+        self.values.extend(map(_first, pairs))
+        self.weights.extend(map(_second, pairs))
         if len(self.values) > (self.exact_up_to if self.counts is None else _FOLD):
             self._fold()
 

@@ -301,3 +301,51 @@ def test_the_hash_index_removes_by_value_as_by_key() -> None:
         got = index.get(np.array(probe, dtype=np.uint64)).tolist()
         assert got == [ref.get(h, -1) for h in probe]
         assert len(index) == len(ref)
+
+
+def test_add_absent_asks_and_adds_as_get_then_add() -> None:
+    """`add_absent` (one probe walk per key) against `get` + `add` on a twin index and a
+    dict: the same keys reported absent and inserted, the same answers after, through
+    tombstones (the first free slot may be a removed one), rebuilds and colliding keys."""
+    import numpy as np
+
+    from kvplane.sim.engine import HashIndex
+
+    rng = np.random.default_rng(17)
+    index, twin, ref = HashIndex(128), HashIndex(128), {}
+    inserted = 0
+    for _ in range(800):
+        if ref and rng.random() < 0.45:
+            keys = list(ref)
+            picked = rng.permutation(len(keys))[: int(rng.integers(1, 20))].tolist()
+            gone = np.array([keys[i] for i in picked], dtype=np.uint64)
+            index.remove(gone)
+            twin.remove(gone)
+            for h in gone.tolist():
+                del ref[h]
+            continue
+        # distinct keys, some present already (small keys collide in their slots)
+        pool = rng.integers(0, 300, size=40) if rng.random() < 0.5 else \
+            np.concatenate([rng.integers(0, 2**64, size=30, dtype=np.uint64),
+                            np.array(list(ref)[:10], dtype=np.uint64)])
+        keys = list(dict.fromkeys(pool.tolist()))
+        absent = [h not in ref for h in keys]
+        room = 128 - len(ref)
+        if sum(absent) > room:  # keep the table within its size
+            keep = [i for i, a in enumerate(absent) if a][:room]
+            keys = [h for i, h in enumerate(keys) if not absent[i] or i in keep]
+            absent = [h not in ref for h in keys]
+        hs = np.array(keys, dtype=np.uint64)
+        blocks = rng.integers(0, 1000, size=len(keys))
+        got = index.add_absent(hs, blocks)
+        assert got.tolist() == absent
+        want = twin.get(hs) < 0
+        assert want.tolist() == absent
+        twin.add(hs[want], blocks[want])
+        ref.update((h, b) for h, b, a in zip(keys, blocks.tolist(), absent, strict=True) if a)
+        inserted += sum(absent)
+        probe = list(ref) + rng.integers(0, 2**64, size=10, dtype=np.uint64).tolist()
+        ph = np.array(probe, dtype=np.uint64)
+        assert index.get(ph).tolist() == [ref.get(h, -1) for h in probe] == twin.get(ph).tolist()
+        assert len(index) == len(ref) == len(twin)
+    assert inserted > 2000
