@@ -290,58 +290,13 @@ class HashIndex:
 
     def add(self, hs: np.ndarray, blocks: np.ndarray) -> None:
         """Insert keys that are absent, each once."""
-        self._room(len(hs))
-        self._place(hs, blocks, self._slots(hs))
-
-    def _room(self, n: int, checked: bool = True) -> None:
         size = len(self.keys)
-        if checked and 4 * (self.live + n) > size:
-            raise ValueError(f"{self.live + n} keys: more than the table is made for")
-        if 2 * (self.live + self.removed + n) > size:
+        if 4 * (self.live + len(hs)) > size:
+            raise ValueError(f"{self.live + len(hs)} keys: more than the table is made for")
+        if 2 * (self.live + self.removed + len(hs)) > size:
             self._rebuild()
-
-    def add_absent(self, hs: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-        """Insert those of `hs` (distinct keys) that are absent, with their `blocks`; return
-        which were. One walk along each key's probe run answers both questions: it ends at
-        the key (present) or at an empty slot (absent), and the key goes into the first free
-        slot (empty or removed) it passed, where `add` would put it."""
-        self._room(len(hs), checked=False)  # at most these many new: room made first
-        keys, vals = self.keys, self.vals
-        idx = self._slots(hs)
-        v = vals[idx]
-        hit = (keys[idx] == hs) & (v >= 0)
-        first = np.where(v < 0, idx, -1)  # the first free slot on the run, once seen
-        todo = np.flatnonzero(~hit & (v != self._EMPTY))
-        if len(todo):  # not settled at the home slot: scan on, `_WINDOW` slots a round
-            mask = len(keys) - 1
-            pos, want = (idx[todo] + 1) & mask, hs[todo]
-            ahead = np.arange(self._WINDOW)
-            while len(todo):
-                win = (pos[:, None] + ahead) & mask
-                w = vals[win]
-                found = (keys[win] == want[:, None]) & (w >= 0)
-                free = w < 0
-                rows = np.arange(len(todo))
-                stop_at = (found | (w == self._EMPTY)).argmax(axis=1)
-                stopped = (found | (w == self._EMPTY))[rows, stop_at]
-                at_free = free.argmax(axis=1)
-                seen = free[rows, at_free] & (first[todo] < 0)
-                first[todo[seen]] = win[rows, at_free][seen]
-                hit[todo[found[rows, stop_at] & stopped]] = True
-                go = ~stopped
-                todo, pos, want = todo[go], (pos[go] + self._WINDOW) & mask, want[go]
-        absent = ~hit
-        at = np.flatnonzero(absent)
-        if 4 * (self.live + len(at)) > len(keys):
-            raise ValueError(f"{self.live + len(at)} keys: more than the table is made for")
-        if len(at):
-            self._place(hs[at], blocks[at], first[at])
-        return absent
-
-    def _place(self, hs: np.ndarray, blocks: np.ndarray, pos: np.ndarray) -> None:
-        """Insert absent keys, each searching for a free slot from `pos` along its run."""
-        size = len(self.keys)
         todo = np.arange(len(hs))
+        pos = self._slots(hs)
         keys, vals, mask = self.keys, self.vals, size - 1
         ahead = np.arange(self._WINDOW)
         while len(todo):
@@ -917,17 +872,9 @@ class BlockPool:
             b = last[1][:k]
             held = (hs_all[:k] == last[0][:k]) & hashed[b] & (self.hash_of[b] == hs_all[:k])
             at = at[(at >= k) | ~held[np.minimum(at, k - 1)]]
-        self.version += 1
-        hs, bs = hs_all[at], arr[at]
-        if self._distinct(bs) and block_of.distinct(hs):
-            # the usual case: asked and added in one walk of each key's probe run
-            added = block_of.add_absent(hs, bs)
-            hs, bs = hs[added], bs[added]
-            hashed[bs] = True
-            self.hash_of[bs] = hs
-            return
         at = at[block_of.get(hs_all[at]) < 0]
         hs, bs = hs_all[at], arr[at]
+        self.version += 1
         if self._distinct(bs) and block_of.distinct(hs):
             block_of.add(hs, bs)
             hashed[bs] = True
