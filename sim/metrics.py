@@ -133,11 +133,18 @@ class StreamingSummary:
                     else float("nan"))
         c = self.cols
         if c is not None:
-            for name, value in zip(_FIELDS, (
-                    r.arrival, ttft, tpot, r.finish - r.arrival, prefill, transfer,
-                    r.reuse_read_s, r.compute_s, r.stall_s, r.finish, r.output, r.rank),
-                    strict=True):
-                c[name].append(value)
+            c["arrival"].append(r.arrival)
+            c["ttft"].append(ttft)
+            c["tpot"].append(tpot)
+            c["e2e"].append(r.finish - r.arrival)
+            c["prefill"].append(prefill)
+            c["transfer"].append(transfer)
+            c["read"].append(r.reuse_read_s)
+            c["compute"].append(r.compute_s)
+            c["stall"].append(r.stall_s)
+            c["finish"].append(r.finish)
+            c["output"].append(r.output)
+            c["rank"].append(r.rank)
             if r.reuse_outcome and not warm:
                 self.outcomes[r.reuse_outcome] = self.outcomes.get(r.reuse_outcome, 0) + 1
             if self.n > self.exact_up_to:
