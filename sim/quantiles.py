@@ -12,7 +12,7 @@ Rules kept here:
   smallest such value seen (an absolute error below 1 us). Readings never go outside the
   exact minimum and maximum, which are kept, as are the count and the sum (the mean is exact
   up to floating-point rounding).
-- Memory: 28,000 buckets of 8 bytes (about 220 KiB) per stream once it spills, nothing per
+- Memory: 13,818 buckets of 8 bytes (about 108 KiB) per stream once it spills, nothing per
   value; values are folded into the buckets 4,096 at a time, in numpy.
 
 A library was considered: `ddsketch` (DataDog's, the same mapping) adds one value per Python
