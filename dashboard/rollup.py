@@ -14,7 +14,10 @@ run, and keeps it in the store (`run_rollups`, revision 0005), one part per page
 - `point`: the run's figures on the Push vs pull page (TTFT and TPOT mean and percentiles,
   requests) under its sweep's warm-up;
 - `timeline`: the run's request count, prompt-token range, decode instances, and the slowest
-  `TIMELINE_TOP` requests by each order the timeline offers (its most shown).
+  `TIMELINE_TOP` requests by each order the timeline offers (its most shown);
+- `reuse`: the Reuse page's requests (prefill split; every one in a run of at most
+  `REUSE_POINTS`, an even sample of that many in a longer one: `reuse_sample`) and the run's
+  reuse outcome counts.
 
 A rollup is stamped with the run's event count; the pages use it only while the run still has
 exactly that many events (a run recorded on since is read from its events again), and only for
@@ -28,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any, Final
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
@@ -43,6 +47,9 @@ TIMELINE_TOP: Final = 500
 TIMELINE_ORDERS: Final = ("e2e", "ttft", "queue")
 #: The Operations page's bins: about this many over the run's span.
 BINS: Final = 200
+#: The Reuse page draws at most this many requests of a run (a scatter of an hour's 720,000
+#: is neither readable nor quick in a browser): a longer run is shown by an even sample.
+REUSE_POINTS: Final = 5000
 
 
 # --- frames as plain JSON ---------------------------------------------------------------------
@@ -168,6 +175,15 @@ def timeline_digest(reqs: pd.DataFrame) -> dict[str, Any]:
             "decodes": sorted(str(x) for x in reqs["decode"].dropna().unique())}
 
 
+def reuse_sample(split: pd.DataFrame, limit: int = REUSE_POINTS) -> pd.DataFrame:
+    """One run's Reuse-page requests (`queries.prefill_split`): all of them when there are at
+    most `limit`, else `limit` of them evenly spaced in request order."""
+    if len(split) <= limit:
+        return split
+    ordered = split.sort_values("request", kind="stable")
+    return ordered.iloc[np.linspace(0, len(ordered) - 1, limit).round().astype(int)]
+
+
 def sweep_scenario_from(scenario: str, meta: dict[str, Any] | None) -> dict[str, Any] | None:
     """The scenario of a sweep run (its `runs.scenario` and `meta`) as recorded or named
     (with its `published:` section): the sweep's own, else the bundled scenario its name or
@@ -266,6 +282,9 @@ def build(engine: Engine, run_id: str) -> dict[str, dict[str, Any]]:
                     "win": to_json(slo["win"]), "done": slo["done"], "met": slo["met"],
                     "dur": _num(slo["dur"])},
         }
+    split = q.prefill_split(engine, [run_id], bool(row.get("reuse_decisions")))
+    parts["reuse"] = {"requests": len(split), "split": to_json(reuse_sample(split)),
+                      "outcomes": to_json(q.reuse_outcomes(engine, [run_id]))}
     reqs = q.request_index(engine, run_id)
     if not reqs.empty:
         parts["timeline"] = {**timeline_digest(reqs), "top": {

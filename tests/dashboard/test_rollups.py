@@ -69,6 +69,8 @@ VISITS = [
     ("timeline", "reuse_on", {"timeline_order": "queue"}),
     ("timeline", "reuse_on", {"timeline_limit": 5, "timeline_order": "ttft"}),
     ("timeline", "push_point", {"timeline_search": "req-1"}),  # a filter: the whole index
+    ("reuse", "reuse_on", None),
+    ("reuse", "push_point", None),
 ]
 
 
@@ -113,11 +115,12 @@ def test_first_visits_on_rolled_up_runs_read_no_per_request_rows(see_store, monk
         return heads[heads["id"].isin(ids)].reset_index(drop=True)
 
     for name in ("request_index", "instance_requests", "finished_requests", "block_bins",
-                 "transfer_bins", "prefix_bins", "request_table_all"):
+                 "transfer_bins", "prefix_bins", "request_table_all", "prefill_split",
+                 "reuse_outcomes"):
         if hasattr(q, name):
             monkeypatch.setattr(q, name, refuse)
     monkeypatch.setattr(q, "run_heads", others_heads)
-    for page in ("runs", "operations", "timeline"):
+    for page in ("runs", "operations", "timeline", "reuse"):
         got = visit(see_store, monkeypatch, page, see_store.reuse_on)
         assert got["figures"] or got["tables"], page
     got = visit(see_store, monkeypatch, "push-pull", see_store.sweep)  # its points
@@ -197,3 +200,17 @@ def test_runs_page_names_kvplane_rollup_for_long_runs_without_one(see_store, mon
     got = visit(see_store, monkeypatch, "runs", see_store.push_point)
     hint = [c for c in got["captions"] if "kvplane rollup" in c]
     assert (hint[0].startswith(f"{len(long) - 1} run(s)") if len(long) > 1 else not hint)
+
+
+def test_reuse_page_draws_a_long_run_by_an_even_sample():
+    """A run of more than REUSE_POINTS requests is drawn by REUSE_POINTS of them, evenly spaced
+    in request order, its first and last included; a shorter run whole."""
+    big = pd.DataFrame({"run": "r", "request": [f"req-{i:06d}" for i in range(12_001)],
+                        "ttft": range(12_001)}).sample(frac=1.0, random_state=3)
+    got = rollup.reuse_sample(big)
+    assert len(got) == rollup.REUSE_POINTS and got["request"].is_unique
+    assert got["request"].iloc[0] == "req-000000" and got["request"].iloc[-1] == "req-012000"
+    gaps = got["ttft"].diff().dropna()
+    assert gaps.min() >= 2 and gaps.max() <= 3  # about 12,000 / 5,000 apart, every one
+    small = big.head(100)
+    assert rollup.reuse_sample(small) is small
