@@ -5,13 +5,15 @@ multi-turn agentic traffic, one simulated hour) with a streaming summary (finish
 folded into aggregates and dropped), optionally recording every event into a SQLite store
 (the recorder writes in batches from its own thread). Every `--every` simulated seconds it
 prints the simulated time reached, CPU and wall seconds so far, requests finished, and the
-resident memory (RSS) now; at the end the peak RSS and how fast it went. `--budget` stops
+resident memory (RSS) now; at the end the peak RSS, the RSS slope per simulated second once
+the prefix caches are full (`--warm`, least squares over the samples) and how fast it went. `--budget` stops
 the run after that many wall seconds and reports how far it got.
 
     .venv/bin/python benchmarks/cluster_scale.py                    # the hour, no recording
     .venv/bin/python benchmarks/cluster_scale.py --record --budget 600
     .venv/bin/python benchmarks/cluster_scale.py --minutes 5         # a shorter horizon
     .venv/bin/python benchmarks/cluster_scale.py --minutes 2 --baseline main   # before/after
+    .venv/bin/python benchmarks/cluster_scale.py --minutes 1 --hash --baseline main  # same events?
 
 With `--baseline REF` the same horizon is run first on git commit REF's code (exported to a
 temporary folder, in a child process), then on this tree, and the speed-up is printed: the
@@ -23,12 +25,16 @@ Goal: the hour in < 10 minutes on one core, with memory flat in simulated time.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import resource
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvplane.sim.config import load_scenario
 from kvplane.sim.engine import Simulation
@@ -55,6 +61,7 @@ def compare(args: argparse.Namespace) -> None:
 
     flags = ["--minutes", str(args.minutes), "--every", str(args.every)]
     flags += ["--record"] if args.record else []
+    flags += ["--hash"] if args.hash else []
     rates: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="kvplane-base-") as tmp:
         base = export(args.baseline, Path(tmp))
@@ -80,6 +87,11 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.0, help="stop after N wall seconds")
     ap.add_argument("--record", action="store_true", help="record every event into SQLite")
     ap.add_argument("--baseline", metavar="REF", help="first run git commit REF's code; ratios")
+    ap.add_argument("--warm", type=float, default=600.0,
+                    help="RSS slope from this simulated second on (the prefix caches full)")
+    ap.add_argument("--hash", action="store_true",
+                    help="hash every event's repr in order, and the summary (same-events "
+                         "checks; the simulator then makes the events only a recorder reads)")
     args = ap.parse_args()
     if args.baseline:
         compare(args)
@@ -96,6 +108,7 @@ def main() -> None:
     print(f"{'sim s':>7} {'CPU s':>8} {'wall s':>8} {'finished':>9} {'RSS MiB':>8}")
     cpu0, wall0 = time.process_time(), time.perf_counter()
     stopped = False
+    samples: list[tuple[float, float]] = []  # (simulated s, RSS MiB)
 
     def run(sim: Simulation, all_done: Any, total: int) -> None:
         nonlocal stopped
@@ -107,6 +120,7 @@ def main() -> None:
             print(f"{sim.env.now:7.0f} {time.process_time() - cpu0:8.1f} "
                   f"{time.perf_counter() - wall0:8.1f} {sim.finished_count:9,} "
                   f"{rss_mib():8.0f}", flush=True)
+            samples.append((sim.env.now, rss_mib()))
             if args.budget and time.perf_counter() - wall0 > args.budget:
                 stopped = True
                 return
@@ -114,14 +128,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvplane-cluster-") as tmp:
         rec = None
         store = None
-        if args.record:
+        events = hashlib.sha256()
+        if args.hash:
+            def record(e: Any) -> None:
+                events.update(repr(e).encode())
+        elif args.record:
             from kvplane.store import BatchingRecorder, open_store
 
             store = open_store(f"sqlite:///{Path(tmp) / 'cluster.db'}")
             rec = BatchingRecorder(store, store.create_run("sim", sc.name), batch_size=5000)
+            record = rec.record
+        else:
+            record = None
         try:
-            _, s = simulate(point, rec.record if rec else None, drain=False, run=run,
-                            stream=True)
+            _, s = simulate(point, record, drain=False, run=run, stream=True)
         finally:
             if rec is not None:
                 rec.close()
@@ -136,6 +156,15 @@ def main() -> None:
     print(f"{s['finished']:,} requests finished ({s['finished'] / cpu:.0f} per CPU-second); "
           f"TTFT p50/p90 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p90']:.0f} ms, "
           f"TPOT p50 {s['tpot_ms']['p50']:.1f} ms")
+    late = [(t, m) for t, m in samples if t >= args.warm]
+    if len(late) >= 3:
+        slope = float(np.polyfit([t for t, _ in late], [m for _, m in late], 1)[0]) * 1024
+        print(f"RSS slope from simulated second {args.warm:g} on ({len(late)} samples, "
+              f"least squares): {slope:.1f} KiB per simulated second")
+    if args.hash:
+        summary = {k: v for k, v in s.items() if k != "wall_s"}
+        print(f"events sha256 {events.hexdigest()[:16]}, summary sha256 "
+              f"{hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]}")
     if args.record:
         print(f"recorded {rec.written if rec else 0:,} events, store {size:.0f} MiB")
     if not stopped:

@@ -26,6 +26,11 @@ components, reading the bundled profiles).
     .venv/bin/python benchmarks/dashboard_pages.py                 # build if needed, time
     .venv/bin/python benchmarks/dashboard_pages.py --stores cluster --repeat 3
     .venv/bin/python benchmarks/dashboard_pages.py --upgrade --old-copy
+    .venv/bin/python benchmarks/dashboard_pages.py --stores cluster --upgrade --rollup
+
+With `--rollup` the pages are timed without the runs' rollups (revision 0005: what the pages
+show of a whole run, kept once the run is done), then the rollups are written (timed: a
+recording's one-time cost) and the pages timed again on them.
 
 Prints one line per page (seconds) and the slowest page against the 2 s goal (3 s for the
 cluster run, issue 12's goal).
@@ -183,6 +188,34 @@ def upgrade(path: Path) -> None:
           f"process; SQLite works in it)", flush=True)
 
 
+def roll_up(path: Path) -> None:
+    """Write the rollups the store's runs lack (`kvplane rollup`), timed: what a recording
+    pays once when its run is done (`kvplane sim run` does it for every point)."""
+    from kvplane.dashboard import rollup
+    from kvplane.store import open_store
+
+    with open_store(f"sqlite:///{path}") as store:
+        counts = {r.id: store.count(r.id) for r in store.runs()}
+        have = store.rollups(list(counts), "heads")
+        for run_id, n in counts.items():
+            if n and run_id not in have:
+                t, c = time.perf_counter(), time.process_time()
+                rollup.write(store, run_id)
+                print(f"  rolled up run {run_id[:8]} ({n:,} events) in "
+                      f"{time.perf_counter() - t:.1f} s wall ({time.process_time() - c:.1f} s "
+                      "CPU)", flush=True)
+
+
+def drop_rollups(path: Path) -> None:
+    con = sqlite3.connect(path)
+    try:
+        if con.execute("SELECT 1 FROM sqlite_master WHERE name = 'run_rollups'").fetchone():
+            con.execute("DELETE FROM run_rollups")
+            con.commit()
+    finally:
+        con.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stores", default="main,cluster", help="main, cluster or both")
@@ -191,13 +224,18 @@ def main() -> None:
                     help="requests per push/pull point when building main (16000: ~1M events)")
     ap.add_argument("--cluster-requests", type=int, default=50000,
                     help="requests of cluster_32p32d when building cluster")
+    ap.add_argument("--cluster-db", type=Path, default=STORES["cluster"],
+                    help="where the cluster store is kept (another file for another size)")
     ap.add_argument("--old-copy", action="store_true",
                     help="keep a copy at the store's revision before migrating, and time it too")
     ap.add_argument("--upgrade", action="store_true", help="migrate the store before timing")
+    ap.add_argument("--rollup", action="store_true",
+                    help="time the pages without rollups (the runs' events read), then write "
+                    "the runs' rollups (timed) and time them again (revision 0005 on)")
     ap.add_argument("--repeat", type=int, default=1, help="visits per page (best kept)")
     args = ap.parse_args()
     for name in args.stores.split(","):
-        path = STORES[name]
+        path = args.cluster_db if name == "cluster" else STORES[name]
         if args.rebuild or not path.exists():
             if name == "main":
                 build_main(path, args.requests)
@@ -215,10 +253,18 @@ def main() -> None:
             variants.append((f"old store (revision {revision(old)}, as found)", old))
         if args.upgrade:
             upgrade(path)
-        variants.append((f"store at revision {revision(path)}", path))
+        if args.rollup:
+            drop_rollups(path)
+        variants.append((f"store at revision {revision(path)}"
+                         + (", no rollups" if args.rollup else ""), path))
         for label, file in variants:
             print(f" {label}:", flush=True)
             report(name, label, time_pages(f"sqlite:///{file}", run, args.repeat))
+        if args.rollup:
+            roll_up(path)
+            label = f"store at revision {revision(path)}, with rollups"
+            print(f" {label}:", flush=True)
+            report(name, label, time_pages(f"sqlite:///{path}", run, args.repeat))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Rules kept here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,3 +80,29 @@ def _turn_among_least(ranked: Sequence[Ranked], least: Ranked, counter: int) -> 
     turn = names[counter % len(names)]
     later = [n for n in tied if n >= turn]
     return min(later) if later else min(tied)
+
+
+def choose_scanning(policy: Policy, names: Sequence[str], rank_of: Callable[[int], Ranked],
+                    counter: int, floor: tuple[int, int]) -> str:
+    """`choose_ranked` for `least_loaded` over instances whose loads are asked one at a time:
+    `names` sorted, `rank_of(i)` the `Ranked` triple of `names[i]`, `floor` a (pressure,
+    -free blocks) pair no instance can be below (for instances ranked by pressure alone:
+    (0, 0)). The instances are asked in turn order, from `names[counter % len(names)]` on,
+    round the end; the first found at `floor` is the least loaded whose turn it is, so the
+    rest need not be asked (at a large fleet of mostly idle instances, one or two are).
+    Without one at `floor`, every instance is ranked and `choose_ranked` decides: the
+    choice is always `choose_ranked`'s over the whole snapshot."""
+    if policy.kind != "least_loaded":
+        raise ValueError(f"choose_scanning ranks least_loaded only, not {policy.kind!r}")
+    n = len(names)
+    if not n:
+        raise ValueError("no instance to choose from")
+    start = counter % n
+    ranked: list[Ranked] = []
+    for k in range(n):
+        i = (start + k) % n
+        t = rank_of(i)
+        if t[0] == floor[0] and t[1] == floor[1]:
+            return t[2]
+        ranked.append(t)
+    return choose_ranked(policy, ranked, counter)

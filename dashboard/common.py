@@ -25,6 +25,7 @@ from sqlalchemy import Engine
 from kvplane.store import EventStore, open_store, resolve_url
 
 from . import queries as q
+from . import rollup
 
 TTL_S = 60
 PICKED = "picked"
@@ -124,8 +125,59 @@ def prefix_bins(url: str, run_id: str, width: float) -> pd.DataFrame:
     return q.prefix_bins(_e(url), run_id, width)
 
 
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def rollup_part(url: str, run_id: str, name: str) -> dict[str, Any] | None:
+    """A part of the run's current rollup (`rollup`), or None: read the events instead."""
+    return rollup.part(_e(url), run_id, name)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Reading finished requests...")
+def request_stats(url: str, run_id: str) -> dict[str, dict[str, float]]:
+    """n, mean, p50, p90, p99 (ms) of TTFT, TPOT and E2E over the run's finished requests:
+    from its rollup, else from its events."""
+    body = rollup_part(url, run_id, "stats")
+    if body is not None:
+        return rollup.stats_of(body)
+    fin = finished_requests(url, (run_id,))
+    return {m: q.stats(fin[m]) for m in ("ttft", "tpot", "e2e")}
+
+
+@st.cache_data(ttl=TTL_S, show_spinner="Reading where requests waited and ran...")
+def operations_series(url: str, run_id: str) -> dict[str, Any] | None:
+    """The Operations page's series (`rollup.operations_series`, without `reqs`): from the
+    run's rollup, else from its events."""
+    body = rollup_part(url, run_id, "operations")
+    if body is not None:
+        return {"span": tuple(body["span"]), "width": float(body["width"]),
+                **{k: rollup.from_json(body[k]) for k in ("occ", "blocks", "prefix",
+                                                          "transfers")},
+                "prefill_n": int(body["prefill_n"]), "decode_n": int(body["decode_n"])}
+    got = rollup.operations_series(_e(url), run_id)
+    if got is not None:
+        got.pop("reqs")
+    return got
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def operations_slo(url: str, run_id: str, ttft_ms: float, tpot_ms: float
+                   ) -> dict[str, Any] | None:
+    """The Operations page's SLO part (`rollup.operations_slo`): from the run's rollup when
+    it was kept for this SLO, else from the run's requests."""
+    body = rollup_part(url, run_id, "operations")
+    if body is not None and (body["slo"]["ttft_ms"], body["slo"]["tpot_ms"]) == (ttft_ms,
+                                                                                 tpot_ms):
+        slo = body["slo"]
+        return {"win": rollup.from_json(slo["win"]), "done": int(slo["done"]),
+                "met": int(slo["met"]), "dur": rollup.as_float(slo["dur"])}
+    series = operations_series(url, run_id)
+    if series is None:
+        return None
+    return rollup.operations_slo(instance_requests(url, run_id), series["span"],
+                                 series["width"], ttft_ms, tpot_ms)
+
+
 def clear_caches() -> None:
-    for fn in (runs, children, request_index, request_table, request_events, finished_requests,
+    for fn in (rollup_part, request_stats, operations_series, operations_slo, runs, children, request_index, request_table, request_events, finished_requests,
                reuse_outcomes, prefill_split, lease_events, scenario_of, run_span,
                instance_requests, block_bins, transfer_bins, prefix_bins, pool_capacity,
                sweep_scenario):
@@ -235,20 +287,11 @@ def scenario_of(url: str, run_id: str) -> dict[str, Any] | None:
 def sweep_scenario(url: str, sweep_id: str) -> dict[str, Any] | None:
     """The scenario of a sweep as recorded or named (with its `published:` section): the
     sweep's own, else the bundled scenario its name or `compare_with` points at."""
-    from kvplane.sim.config import ScenarioError, load_scenario
-
     table = runs(url)
     row = table[table["id"] == sweep_id]
     if row.empty:
         return None
-    meta = row.iloc[0]["meta"] or {}
-    name = meta.get("compare_with") or str(row.iloc[0]["scenario"]).partition(":")[0]
-    if isinstance(meta.get("scenario"), dict) and meta["scenario"].get("published"):
-        return meta["scenario"]
-    try:
-        return load_scenario(name).model_dump(mode="json")
-    except ScenarioError:
-        return None
+    return rollup.sweep_scenario_from(str(row.iloc[0]["scenario"]), row.iloc[0]["meta"])
 
 
 def point_axes(scenario_name: str, meta: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ from kvplane.store import (
     events_of,
     events_of_runs,
     events_table,
+    fresh_rollups,
     has_block_counts,
     has_packed_lists,
     merge_lists,
@@ -104,20 +105,64 @@ def runs(engine: Engine) -> pd.DataFrame:
 
     Columns: id, kind, scenario, started, parent, meta, events, requests, finished, failed,
     ttft_ms, tpot_ms, e2e_ms (means over finished requests), children, points (children of
-    kind sim or import: sweep points), leases (granted), reuse_decisions.
+    kind sim or import: sweep points), leases (granted), reuse_decisions, rollup (whether the
+    run has a current rollup, `rollup.py`).
     """
     base = _fetch(engine, select(R.c.id, R.c.kind, R.c.scenario, R.c.started, R.c.parent,
                                  R.c.meta).order_by(R.c.started.desc(), R.c.id))
     if base.empty:
         return base.assign(events=[], requests=[], finished=[], failed=[], ttft_ms=[],
                            tpot_ms=[], e2e_ms=[], children=[], points=[], leases=[],
-                           reuse_decisions=[])
+                           reuse_decisions=[], rollup=[])
     # every filtered read names the runs, so it walks the (run, type) index run by run
     # instead of scanning every event of the store for a type
     ids = list(base["id"])
     # events per run: the last seq + 1 (seqs are contiguous from 0), one index probe a run
     last = select(func.max(E.c.seq)).where(E.c.run == run_ref(engine)).scalar_subquery()
     sizes = _fetch(engine, select(R.c.id, (last + 1).label("events")))
+    kids = _fetch(engine, select(
+        R.c.parent.label("id"), func.count().label("children"),
+        func.sum(case((R.c.kind.in_(["sim", "import"]), 1), else_=0)).label("points"),
+    ).where(R.c.parent.is_not(None)).group_by(R.c.parent))
+    # a run with a current rollup (revision 0005) has its figures there; the others' from
+    # their events
+    rolled = fresh_rollups(engine, ids, "heads")
+    heads = run_heads(engine, [i for i in ids if i not in rolled])
+    if rolled:
+        kept = pd.DataFrame([{"id": i, **{c: rolled[i].get(c) for c in HEAD_COLUMNS}}
+                             for i in ids if i in rolled], columns=["id", *HEAD_COLUMNS])
+        for col in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            kept[col] = kept[col].astype(float)
+        heads = kept if heads.empty else pd.concat([heads, kept], ignore_index=True)
+    out = base
+    for extra in (sizes, heads, kids):
+        out = out.merge(extra, on="id", how="left")
+    for col in ("events", "requests", "finished", "failed", "children", "points", "leases",
+                "reuse_decisions"):
+        out[col] = out[col].fillna(0).astype(int)
+    out["rollup"] = out["id"].isin(list(rolled))
+    # imported summaries without per-request events: headline figures from meta.summary
+    for i, meta in enumerate(out["meta"]):
+        summary = meta.get("summary") if isinstance(meta, dict) else None
+        if isinstance(summary, dict) and out.at[i, "finished"] == 0:
+            out.at[i, "ttft_ms"] = _mean_of(summary, "ttft")
+            out.at[i, "tpot_ms"] = _mean_of(summary, "tpot")
+            out.at[i, "e2e_ms"] = _mean_of(summary, "e2el") or _mean_of(summary, "e2e")
+            out.at[i, "finished"] = int(summary.get("completed") or summary.get("finished") or 0)
+    return out
+
+
+#: The figures of a run's row that come from its events (`run_heads`).
+HEAD_COLUMNS: tuple[str, ...] = ("requests", "finished", "failed", "ttft_ms", "tpot_ms",
+                                 "e2e_ms", "leases", "reuse_decisions")
+
+
+def run_heads(engine: Engine, ids: Sequence[str]) -> pd.DataFrame:
+    """Per run (of `ids`) with events of these kinds: id and HEAD_COLUMNS (requests arrived,
+    finished, failed, TTFT/TPOT/E2E means in ms, leases granted, reuse decisions). A run
+    without such events has no row."""
+    if not ids:
+        return pd.DataFrame(columns=["id", *HEAD_COLUMNS])
     ok = E.c.payload["ok"].as_boolean()
     heads = _typed(engine, select(
         run_id_of(engine).label("id"),
@@ -132,31 +177,22 @@ def runs(engine: Engine) -> pd.DataFrame:
                                     func.count(func.distinct(E.c.request)).label("requests"))
                      .where(events_of_runs(engine, ids), E.c.type == "RequestArrived")
                      .group_by(E.c.run))
-    kids = _fetch(engine, select(
-        R.c.parent.label("id"), func.count().label("children"),
-        func.sum(case((R.c.kind.in_(["sim", "import"]), 1), else_=0)).label("points"),
-    ).where(R.c.parent.is_not(None)).group_by(R.c.parent))
     lease_count = case((E.c.type == "LeaseGranted", 1), else_=0)
     reuse_count = case((E.c.type == "ReuseDecided", 1), else_=0)
-    marks = _typed(engine, select(run_id_of(engine).label("id"), func.sum(lease_count).label("leases"),
+    marks = _typed(engine, select(run_id_of(engine).label("id"),
+                                  func.sum(lease_count).label("leases"),
                                   func.sum(reuse_count).label("reuse_decisions"))
-                   .where(events_of_runs(engine, ids), E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
+                   .where(events_of_runs(engine, ids),
+                          E.c.type.in_(["LeaseGranted", "ReuseDecided"]))
                    .group_by(E.c.run))
-    out = base
-    for extra in (sizes, arrived, heads, kids, marks):
+    out = pd.DataFrame({"id": list(ids)})
+    for extra in (arrived, heads, marks):
         out = out.merge(extra, on="id", how="left")
-    for col in ("events", "requests", "finished", "failed", "children", "points", "leases",
-                "reuse_decisions"):
+    for col in ("requests", "finished", "failed", "leases", "reuse_decisions"):
         out[col] = out[col].fillna(0).astype(int)
-    # imported summaries without per-request events: headline figures from meta.summary
-    for i, meta in enumerate(out["meta"]):
-        summary = meta.get("summary") if isinstance(meta, dict) else None
-        if isinstance(summary, dict) and out.at[i, "finished"] == 0:
-            out.at[i, "ttft_ms"] = _mean_of(summary, "ttft")
-            out.at[i, "tpot_ms"] = _mean_of(summary, "tpot")
-            out.at[i, "e2e_ms"] = _mean_of(summary, "e2el") or _mean_of(summary, "e2e")
-            out.at[i, "finished"] = int(summary.get("completed") or summary.get("finished") or 0)
-    return out
+    for col in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        out[col] = out[col].astype(float)
+    return out[["id", *HEAD_COLUMNS]]
 
 
 def _mean_of(summary: dict[str, Any], metric: str) -> float | None:

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -109,6 +109,8 @@ def sim_run(
         return
     from kvplane.sim.report import points_table
 
+    if not no_record:
+        _roll_up(summary, db)
     typer.echo(points_table(summary["points"]))
     if summary.get("run_id"):
         typer.echo(f"\nrun {summary['run_id']} recorded in {summary['db']}")
@@ -117,6 +119,29 @@ def sim_run(
 
         out.write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False) + "\n")
         typer.echo(f"summary written to {out}")
+
+
+def _roll_up(summary: dict[str, Any], db: str | None) -> None:
+    """The dashboard's rollup of each point run just recorded (`kvplane.dashboard.rollup`):
+    its pages then open on them without reading their events again. Without the dashboard
+    extra (pandas) there is no dashboard to serve: nothing to do."""
+    try:
+        from kvplane.dashboard import rollup
+    except ImportError:
+        return
+    from kvplane.store import open_store
+
+    ids = [p["run_id"] for p in summary.get("points", []) if p.get("run_id")]
+    if not ids:
+        return
+    with open_store(db) as store:  # as given: the summary's URL hides a password
+        for run_id in ids:
+            try:
+                rollup.write(store, run_id)
+            except Exception as exc:  # noqa: BLE001 - the run is recorded; say so, go on
+                typer.secho(f"warning: no rollup for run {run_id} ({type(exc).__name__}: "
+                            f"{exc}); the dashboard reads its events, `kvplane rollup "
+                            f"{run_id[:8]}` tries again", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command()
@@ -438,6 +463,10 @@ def calibrate_live(
         help="Another recorded run to predict with the fit: its twins' TTFT percentiles "
         "against its recorded ones.")] = None,
     seeds: Annotated[int, typer.Option(help="Twins (seeds) pooled for --predict.")] = 20,
+    requests_of: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        "--requests-of", help="With --predict of a run that recorded several workloads "
+        "together: compare only the requests of this recorded run (repeat for each workload; "
+        "the twins simulate them all, as they shared the engines).")] = None,
     host_samples: Annotated[Optional[Path], typer.Option(  # noqa: UP045
         help="JSON file of the host's run-queue samples per run ({run: [[time, run queue, "
         "...], ...]}, or a live test's prediction.json with them under host_samples); "
@@ -455,11 +484,17 @@ def calibrate_live(
 
     from kvplane.sim.calibration import apply_calibration, calibration_for
     from kvplane.sim.config import ScenarioError, load_scenario
-    from kvplane.sim.live_calibration import describe, fit_live, interference_note
-    from kvplane.sim.live_calibration import predict as predict_run
+    from kvplane.sim.live_calibration import (
+        describe,
+        fit_live,
+        interference_note,
+        predict_groups,
+    )
     from kvplane.sim.replay_sim import scenario_for_run
     from kvplane.store import RunNotFound, open_store
 
+    if requests_of and predict is None:
+        _fail("--requests-of compares requests of a run given to --predict: give --predict")
     samples: dict[str, list[list[float]]] = {}
     if host_samples is not None:
         try:
@@ -487,14 +522,19 @@ def calibrate_live(
             typer.echo(line)
         if predict is not None:
             try:
-                pred = predict_run(store, store.run(predict).id,
-                                   apply_calibration(sc, result.calibration), seeds,
-                                   host_samples=samples.get(predict))
+                target = store.run(predict).id
+                groups = None if not requests_of else {
+                    name: {e.request for e in store.events(store.run(name).id,
+                                                           ["RequestArrived"])
+                           if e.request is not None} for name in requests_of}
+                preds = predict_groups(store, target, apply_calibration(sc, result.calibration),
+                                       seeds, host_samples=samples.get(predict), groups=groups)
             except (RunNotFound, ScenarioError, ValueError) as exc:
                 _fail(str(exc))
-            for line in pred.lines():
-                typer.echo(line)
-            note = interference_note(store, pred.run)
+            for pred in preds.values():
+                for line in pred.lines():
+                    typer.echo(line)
+            note = interference_note(store, target)
             if note is not None:
                 typer.echo(note)
     text = yaml.safe_dump(result.calibration.model_dump(mode="json", exclude_none=True),

@@ -1,4 +1,5 @@
-"""`kvplane runs`, `show`, `compare`, `export`: results you can take away; `upgrade`.
+"""`kvplane runs`, `show`, `compare`, `export`: results you can take away; `upgrade`;
+`rollup` (the dashboard's per-run rollups).
 
 `register(app)` adds them to the main app. The figures come from kvplane/results.py (plain
 SQL and the standard library); Parquet needs pyarrow (the dashboard extra brings it).
@@ -54,8 +55,9 @@ def upgrade(db: DbOpt = None) -> None:
     Reading commands and the dashboard read an older store as it is, correctly but slower
     (revision 0002 adds block counts beside the events and a covering index; 0003 packs new
     events' block lists apart from their JSON, leaving stored rows as they are; 0004 names
-    each event's run by an integer key, rewriting the events once); every writing command
-    migrates it anyway. This does only that, once, and says what it did."""
+    each event's run by an integer key, rewriting the events once; 0005 adds the table of
+    per-run rollups, empty: `kvplane rollup` fills it); every writing command migrates it
+    anyway. This does only that, once, and says what it did."""
     import time
 
     from kvplane.store import current_revision, head_revision, make_engine, open_store
@@ -193,9 +195,54 @@ def _schema(pa: Any) -> Any:
                       ("decode", s), ("ttft", f), ("tpot", f), ("e2e", f), ("ok", b)])
 
 
+def rollup(
+    refs: Annotated[Optional[list[str]], typer.Argument(  # noqa: UP045
+        help="Runs (ids, unique prefixes or `latest`); default: every run with events whose "
+             "rollup is missing or older than its events.", show_default=False)] = None,
+    db: DbOpt = None,
+) -> None:
+    """Write the dashboard's rollup of runs: what its pages show of a whole run, computed once
+    from the events, so a long run's pages open without reading them again.
+
+    `kvplane sim run` writes one for each point it records; this is for runs recorded
+    otherwise (live runs, imports) or before (a store from before revision 0005 is migrated
+    first). A run recorded on after its rollup is read from its events until rolled up again.
+    Needs the dashboard extra (pandas)."""
+    import time
+
+    try:
+        from kvplane.dashboard import rollup as rollups
+    except ImportError as exc:
+        _fail(f"kvplane rollup needs the dashboard extra (pip install 'kvplane[dashboard]'): "
+              f"{exc}")
+        return
+    from kvplane.results import RunRefError, resolve_run
+    from kvplane.store import open_store
+
+    with open_store(db) as store:
+        if refs:
+            try:
+                ids = [resolve_run(store, r).id for r in refs]
+            except RunRefError as exc:
+                _fail(str(exc))
+                return
+        else:
+            counts = {r.id: store.count(r.id) for r in store.runs()}
+            have = store.rollups(list(counts), "heads")
+            ids = [i for i, n in counts.items() if n and i not in have]
+        if not ids:
+            typer.echo(f"every run with events in {store.url} has a current rollup")
+        for run_id in ids:
+            t = time.perf_counter()
+            events = rollups.write(store, run_id)
+            typer.echo(f"rolled up run {run_id} ({events:,} events) in "
+                       f"{time.perf_counter() - t:.1f} s")
+
+
 def register(app: typer.Typer) -> None:
     app.command("runs")(runs)
     app.command("show")(show)
     app.command("compare")(compare)
     app.command("export")(export)
     app.command("upgrade")(upgrade)
+    app.command("rollup")(rollup)

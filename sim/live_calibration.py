@@ -16,7 +16,7 @@ shared host only ever slows a hop:
 | `transfer_per_descriptor` | the slope of that line: what one descriptor adds (post and wire), which depends on the path (a copy inside one GPU, NVLink, EFA, UCX over TCP) more than any datasheet says |
 | `step_overhead` | an engine step's fixed part: the intercept of a line through prefill's one-step durations (lower quintile per prompt length) against their FLOPs (else the router's time per output token less a batch-1 step's arithmetic) |
 | `compute_utilization` | the slope of that line |
-| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg; and a decode step: the time per output token after the first), recorded duration over priced cost: how much the host slowed that kind of hop, as all of them (the quantiles at probabilities i/(n-1)) |
+| `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg; and a decode step: the time per output token after the first), recorded duration over priced cost: how much the host slowed that kind of hop, as all of them (drawn with each weighing 1/n: the i-th at probability (i + 1/2)/n) |
 
 Only pull-mode requests without a reuse read are used (the shape of every leg is then known).
 What a run cannot show stays as it was in the prior calibration (memory and network
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -380,7 +380,7 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
     if host_samples is None:
         host_samples = store.run(run_id).meta.get("host_samples") or None
     state, timeline = _host_state(run_id, factors, host_samples)
-    # every recorded factor is kept, ascending (the quantiles at probabilities i/(n-1)): a
+    # every recorded factor is kept, ascending (a twin draws each with weight 1/n): a
     # coarse table (21 quantiles) interpolates its top 5 % of draws between the 95th percentile
     # and the run's one worst stall, so one 20 s stall among 192 hops weighed as 5 % of draws
     slowdown: dict[str, HostSlowdown] = {}
@@ -478,7 +478,7 @@ class Prediction:
     predicted: list[float]  # the twins' TTFTs, pooled over seeds
     twins: list[str]
     reads_live: int  # reuse reads recorded
-    reads_twin: int  # reuse reads in the twins, per seed on average
+    reads_twin: float  # reuse reads in the twins, per seed on average
 
     def error(self, p: float) -> float:
         live = _q(self.live, p)
@@ -514,23 +514,48 @@ def predict(store: EventStore, run_id: str, scenario: Any, seeds: int = 10,
             host_samples: Sequence[Sequence[float]] | None = None) -> Prediction:
     """Twin a recorded run `seeds` times under `scenario` (its calibration included) and pool
     the twins' TTFTs; the recorded TTFTs are the router's. `host_samples` (default: the run's
-    own) is the host's run queue during the recorded run, an input like its arrivals."""
+    own) is the host's state during the recorded run, an input like its arrivals."""
+    return predict_groups(store, run_id, scenario, seeds, host_samples)[run_id]
+
+
+def predict_groups(store: EventStore, run_id: str, scenario: Any, seeds: int = 10,
+                   host_samples: Sequence[Sequence[float]] | None = None,
+                   groups: Mapping[str, Collection[str]] | None = None) -> dict[str, Prediction]:
+    """`predict`, compared group by group: each of `groups` (name -> request ids) gets its own
+    Prediction of those requests' TTFTs, live and in the same twins (default: one group, the
+    whole run, named after it). For workloads recorded together (both in flight at the same
+    moments, so both met the same host): the twin simulates all of them, as they shared the
+    engines, and each workload is compared on its own requests."""
     from .replay_sim import replay_into_sim
 
-    live = [e.ttft for e in store.events(run_id, ["RequestFinished"])  # type: ignore[attr-defined]
-            if e.instance == "router"]
-    reads = sum(1 for e in store.events(run_id, ["ReuseDecided"])
-                if e.outcome == "read")  # type: ignore[attr-defined]
-    pred: list[float] = []
+    sets = {run_id: None} if groups is None else {g: set(ids) for g, ids in groups.items()}
+
+    def of(group: set[str] | None, request: str | None) -> bool:
+        return group is None or request in group
+
+    live = {g: [e.ttft for e in store.events(run_id, ["RequestFinished"])  # type: ignore[attr-defined]
+                if e.instance == "router" and of(want, e.request)] for g, want in sets.items()}
+    reads = {g: sum(1 for e in store.events(run_id, ["ReuseDecided"])
+                    if e.outcome == "read" and of(want, e.request))  # type: ignore[attr-defined]
+             for g, want in sets.items()}
+    pred: dict[str, list[float]] = {g: [] for g in sets}
+    twin_reads = dict.fromkeys(sets, 0)
     twins: list[str] = []
-    twin_reads = 0
     for seed in range(seeds):
         twin = replay_into_sim(store, run_id, scenario.model_copy(update={"seed": seed}),
                                host_samples=host_samples)
         twins.append(twin)
-        pred += [e.ttft for e in store.events(twin, ["RequestFinished"])]  # type: ignore[attr-defined]
-        twin_reads += sum(1 for e in store.events(twin, ["ReuseDecided"])
-                          if e.outcome == "read")  # type: ignore[attr-defined]
-    if not live or not pred:
-        raise ValueError(f"run {run_id}: no finished request to compare")
-    return Prediction(run_id, live, pred, twins, reads, twin_reads / max(seeds, 1))
+        finished = list(store.events(twin, ["RequestFinished"]))
+        decided = [e for e in store.events(twin, ["ReuseDecided"])
+                   if e.outcome == "read"]  # type: ignore[attr-defined]
+        for g, want in sets.items():
+            pred[g] += [e.ttft for e in finished if of(want, e.request)]
+            twin_reads[g] += sum(1 for e in decided if of(want, e.request))
+    out: dict[str, Prediction] = {}
+    for g in sets:
+        if not live[g] or not pred[g]:
+            raise ValueError(f"run {run_id}: no finished request to compare"
+                             + ("" if groups is None else f" in {g}"))
+        out[g] = Prediction(g if groups is not None else run_id, live[g], pred[g], twins,
+                            reads[g], twin_reads[g] / max(seeds, 1))
+    return out

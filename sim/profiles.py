@@ -532,10 +532,12 @@ HopKind = Literal["request_leg", "response_leg", "prefill_step", "transfer", "fi
 class HostSlowdown(_Strict):
     """How much a shared host slows one kind of hop of a request (a leg through the router, an
     engine step, a transfer, the first token's return): the distribution of (recorded hop
-    duration / the hop's priced cost) over a recorded live run's hops of that kind, as
-    quantiles at evenly spaced probabilities 0, 1/(n-1), ..., 1. The simulator draws one
-    factor per hop, seeded: on a CPU shared with other work, every process gets a varying
-    share of the cores, so a hop's wall time is its cost divided by that share.
+    duration / the hop's priced cost) over a recorded live run's hops of that kind: every
+    recorded factor, ascending. The simulator draws one factor per hop, seeded, from the
+    inverse CDF that puts the i-th of n at probability (i + 1/2) / n and interpolates between
+    them, so every recorded factor weighs 1/n, the extremes too, and the draws keep the
+    recorded mean. On a CPU shared with other work, every process gets a varying share of the
+    cores, so a hop's wall time is its cost divided by that share.
     """
 
     quantiles: list[float] = Field(min_length=2, description="factors, ascending [1]")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
+from itertools import count
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,7 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
     total = sim.finished_count + len(batch)
     followers: dict[int, list[Request]] = {}
     firsts: list[Request] = []
+    ranks = count()  # requests are made as they arrive: in arrival order
     for i in range(len(batch)):
         q = batch[i]
         if q.previous is None:
@@ -99,7 +101,7 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
                        conversation=(conversations[q.rid] if conversations
                                      else q.conversation_id),
                        tenant=tenants[q.rid] if tenants else "default", turn=q.turn,
-                       hashes=hashes, retained_hashes=retained)
+                       hashes=hashes, retained_hashes=retained, rank=next(ranks))
         nxt = followers.pop(q.rid, [])
         r.on_done = lambda _r: finished(nxt)
         return r
@@ -147,8 +149,12 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
     if stream is None:
         stream = len(batch) > STREAM_ABOVE
     streamed = None
+    sc = point.scenario
+    warm = sc.warmup_requests / max(len(batch), 1)
     if stream:
-        streamed = StreamingSummary(cfg.decode_layout.block_size)
+        # the warm-up as `summarize` counts it: the first int(n x warm) arrivals
+        streamed = StreamingSummary(cfg.decode_layout.block_size,
+                                    warmup=int(len(batch) * warm))
         sim.sink = streamed.add
     all_done = feed(sim, batch, cfg.decode_layout.block_size, start=begin)
     # What exists now (modules, the simulation, the workload) lives as long as the run: the
@@ -176,10 +182,8 @@ def simulate(point: Point, record: Callable[[Any], None] | None = None,
     if drain:
         sim.drain()
     wall = time.perf_counter() - wall
-    sc = point.scenario
-    warm = sc.warmup_requests / max(len(batch), 1)
     if streamed is not None:
-        stats = streamed.result(warmup=warm)
+        stats = streamed.result()
         mean_run_blocks = stats.pop("mean_run_blocks")
     else:
         stats = summarize(sim.done, warmup=warm)

@@ -159,6 +159,9 @@ class RequestBatch:
 # --- block hashes -----------------------------------------------------------------------------------
 
 
+_MASK64 = (1 << 64) - 1
+
+
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     # uint64 arithmetic wraps; numpy never warns for arrays (only for scalars), so no errstate
     # (entering one costs more than the arithmetic on a few hundred blocks)
@@ -194,6 +197,8 @@ def block_hashes(request: Request, block_size: int, tokens: int | None = None) -
             out = np.where(known, out ^ _TRACE_SALT, out)
         return out
     shared_blocks = request.shared_tokens // block_size if request.shared_stream else 0
+    if shared_blocks <= 0:  # every block on the request's own stream: `_mix` of one key
+        return _splitmix64(j.astype(_U64) ^ _U64((request.stream << 24) & _MASK64))
     keys = np.where(j < shared_blocks, request.shared_stream, request.stream)
     return _mix(keys, j)
 

@@ -42,8 +42,10 @@ from .migrate import (
     current_revision,
     events_of,
     events_of_runs,
+    fresh_rollups,
     has_block_counts,
     has_packed_lists,
+    has_rollups,
     has_run_keys,
     head_revision,
     model_drift,
@@ -52,7 +54,17 @@ from .migrate import (
     upgrade,
 )
 from .recorders import BatchingRecorder, ListRecorder, NullRecorder, Recorder
-from .schema import RUN_KINDS, EventRow, RunKind, RunRow, events_table, metadata, runs_table
+from .schema import (
+    RUN_KINDS,
+    EventRow,
+    RollupRow,
+    RunKind,
+    RunRow,
+    events_table,
+    metadata,
+    rollups_table,
+    runs_table,
+)
 
 __all__ = [
     "DEFAULT_URL",
@@ -68,6 +80,7 @@ __all__ = [
     "NullRecorder",
     "Recorder",
     "RecorderError",
+    "RollupRow",
     "RunInfo",
     "RunKind",
     "RunNotFound",
@@ -90,8 +103,10 @@ __all__ = [
     "events_of",
     "events_of_runs",
     "events_table",
+    "fresh_rollups",
     "has_block_counts",
     "has_packed_lists",
+    "has_rollups",
     "has_run_keys",
     "head_revision",
     "make_engine",
@@ -101,6 +116,7 @@ __all__ = [
     "open_store",
     "payload_of",
     "resolve_url",
+    "rollups_table",
     "run_id_of",
     "run_ref",
     "runs_table",

@@ -77,14 +77,16 @@ from .migrate import (
     all_types,
     by_type,
     events_of,
+    fresh_rollups,
     has_packed_lists,
+    has_rollups,
     head_revision,
     known_revisions,
     revision_of,
     upgrade,
     upgrade_note,
 )
-from .schema import RUN_KINDS, RunKind, events_table, runs_table
+from .schema import RUN_KINDS, RunKind, events_table, rollups_table, runs_table
 
 _STREAM_CHUNK: Final = 2000
 
@@ -203,8 +205,45 @@ class EventStore:
                 update(runs_table).where(runs_table.c.parent == run_id).values(parent=None)
             )
             deleted = conn.execute(delete(events_table).where(events_of(self._engine, run_id)))
+            if has_rollups(self._engine):
+                key = select(runs_table.c.key).where(runs_table.c.id == run_id).scalar_subquery()
+                conn.execute(delete(rollups_table).where(rollups_table.c.run == key))
             conn.execute(delete(runs_table).where(runs_table.c.id == run_id))
         return int(deleted.rowcount)
+
+    def put_rollup(self, run_id: str, parts: Mapping[str, Mapping[str, Any]]) -> int:
+        """Keep `parts` (part name -> plain JSON: what the dashboard shows of the whole run,
+        see `schema.RollupRow`) as the run's rollup, replacing all of any earlier one, stamped
+        with the run's event count now (read in the same transaction); that count."""
+        self._writable()
+        body = {name: dict(data) for name, data in parts.items()}
+        try:
+            json.dumps(body, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"a rollup must be plain JSON (no NaN): {exc}") from None
+        with self._writer.begin() as conn:
+            found = conn.execute(select(runs_table.c.key).where(runs_table.c.id == run_id)
+                                 .with_for_update(key_share=True)).first()
+            if found is None:
+                raise RunNotFound(run_id)
+            key = found[0]
+            last = conn.execute(
+                select(func.max(events_table.c.seq)).where(events_table.c.run == key)
+            ).scalar()
+            count = 0 if last is None else int(last) + 1
+            conn.execute(delete(rollups_table).where(rollups_table.c.run == key))
+            now = datetime.now(UTC)
+            if body:
+                conn.execute(insert(rollups_table), [
+                    {"run": key, "part": name, "events": count, "made": now, "data": data}
+                    for name, data in body.items()])
+        return count
+
+    def rollups(self, run_ids: Iterable[str], part: str) -> dict[str, dict[str, Any]]:
+        """The rollups' `part` of those of the runs that have a current one
+        (`migrate.fresh_rollups`)."""
+        with self._reading():
+            return fresh_rollups(self._engine, run_ids, part)
 
     # --- events ---
 

@@ -27,6 +27,7 @@ Rules kept here:
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
@@ -36,12 +37,22 @@ from alembic.config import Config
 from alembic.runtime.environment import EnvironmentContext
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Column, ColumnElement, Connection, Engine, Select, inspect, select, text
+from sqlalchemy import (
+    Column,
+    ColumnElement,
+    Connection,
+    Engine,
+    Select,
+    func,
+    inspect,
+    select,
+    text,
+)
 
 from ._core import EVENT_TYPES
 from .engine import WRITE_LOCK
 from .errors import StoreTooNew
-from .schema import VERSION_TABLE, events_table, metadata, runs_table
+from .schema import VERSION_TABLE, events_table, metadata, rollups_table, runs_table
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 
@@ -129,6 +140,37 @@ def has_run_keys(engine: Engine) -> bool:
         return True
     _columns.cache_clear()  # asked again next time: a few PRAGMA reads, old stores only
     return False
+
+
+def has_rollups(engine: Engine) -> bool:
+    """Whether the store has the `run_rollups` table (revision 0005 on). Only a yes is
+    remembered, as for `has_run_keys`."""
+    if inspect(engine).has_table("run_rollups"):
+        _ROLLUPS_SEEN.add(engine)
+    return engine in _ROLLUPS_SEEN
+
+
+_ROLLUPS_SEEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # forgets disposed engines
+
+
+def fresh_rollups(engine: Engine, run_ids: Iterable[str], part: str
+                  ) -> dict[str, dict[str, Any]]:
+    """The rollups' `part` (`run_rollups.data`) of those of the runs whose rollup is current: made
+    when the run had the events it has now (one probe of the run's last seq each). A run
+    without one, recorded on since, or a store before revision 0005: not in the answer (read
+    the run's events instead)."""
+    ids = list(run_ids)
+    if not ids or not has_rollups(engine):
+        return {}
+    ru, ev = rollups_table, events_table
+    last = select(func.max(ev.c.seq)).where(ev.c.run == ru.c.run).scalar_subquery()
+    stmt = (select(runs_table.c.id, ru.c.events, last, ru.c.data)
+            .join(runs_table, runs_table.c.key == ru.c.run)
+            .where(runs_table.c.id.in_(ids), ru.c.part == part))
+    with engine.connect() as conn:
+        rows = conn.execute(stmt).all()
+    return {run: dict(data) for run, events, top, data in rows
+            if events == (0 if top is None else int(top) + 1) and isinstance(data, dict)}
 
 
 def run_ref(engine: Engine) -> Column[object]:

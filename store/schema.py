@@ -24,6 +24,10 @@ Rules kept here:
   (`migrate.all_types`). Readers filter by a run id through `migrate.events_of` / `events_of_runs`
   and name a row's run through `migrate.run_id_of`, which work on every revision (a store
   before 0004, read as it is, has the text id in `events.run`).
+- `run_rollups`: per run, what the dashboard shows of the whole run (headline figures,
+  percentiles, per-time-bin series, slowest requests) as JSON, computed once from the events
+  when the run is done (`kvplane.dashboard.rollup`), with the run's event count then: a
+  reader uses it only while the run still has that many events (revision 0005).
 - The migrations in `migrations/versions` create exactly these tables; a test compares them.
   Change a model only together with a new migration.
 
@@ -130,6 +134,23 @@ class EventRow(Base):
     lists: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
+class RollupRow(Base):
+    """What the dashboard shows of a whole run, computed once from its events (revision
+    0005): valid while the run still has `events` events."""
+
+    __tablename__ = "run_rollups"
+
+    run: Mapped[int] = mapped_column(  # `runs.key`
+        Integer, ForeignKey("runs.key", ondelete="CASCADE"), primary_key=True,
+        autoincrement=False,
+    )
+    part: Mapped[str] = mapped_column(String(32), primary_key=True)  # what a page reads
+    events: Mapped[int] = mapped_column(Integer)
+    made: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    data: Mapped[dict[str, Any]] = mapped_column(json_type())
+
+
 metadata: Final[MetaData] = Base.metadata
 runs_table: Final[Table] = RunRow.__table__  # type: ignore[assignment]
 events_table: Final[Table] = EventRow.__table__  # type: ignore[assignment]
+rollups_table: Final[Table] = RollupRow.__table__  # type: ignore[assignment]

@@ -11,18 +11,10 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from .. import common
-from ..queries import attainment_windows, occupancy, retained_blocks
+from ..queries import retained_blocks
 
 TITLE = "Operations"
 SLUG = "operations"
-_BINS = 200
-
-
-def _width(span: tuple[float, float]) -> float:
-    """A bin width giving about _BINS bins, rounded to 1, 2 or 5 x 10^k seconds."""
-    raw = max((span[1] - span[0]) / _BINS, 1e-3)
-    mag = 10 ** int(f"{raw:e}".split("e")[1])
-    return float(next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw))
 
 
 def _lines(df: pd.DataFrame, x: str, y: str, by: str, title: str, ytitle: str,
@@ -42,20 +34,6 @@ def _lines(df: pd.DataFrame, x: str, y: str, by: str, title: str, ytitle: str,
     return fig
 
 
-def _peaks(occ: pd.DataFrame, width: float) -> pd.DataFrame:
-    """A count series per `series` reduced to its peak in each time bin (held through bins
-    without a change), so a figure stays a few hundred points whatever the run's size."""
-    occ = occ.assign(bin=(occ["time"] // width).astype(int))
-    peak = occ.groupby(["series", "bin"])["count"].max().unstack("series")
-    bins = range(int(peak.index.min()), int(peak.index.max()) + 1)
-    last = occ.groupby(["series", "bin"])["count"].last().unstack("series")
-    held = last.reindex(bins).ffill().fillna(0)  # the level a bin ends at, carried on
-    full = peak.reindex(bins).fillna(held.shift(1).fillna(0)).clip(lower=0)
-    out = full.stack().rename("count").reset_index()
-    out["time"] = out["bin"] * width
-    return out
-
-
 def render(url: str, table: pd.DataFrame) -> None:
     st.header("Operations")
     points = common.point_runs(table)
@@ -68,28 +46,27 @@ def render(url: str, table: pd.DataFrame) -> None:
         return
     ttft_ms = c2.number_input("SLO: TTFT (ms)", 1.0, 1e6, 1000.0, key="ops_ttft")
     tpot_ms = c3.number_input("SLO: TPOT (ms)", 0.1, 1e5, 50.0, key="ops_tpot")
-    span = common.run_span(url, run_id)
-    if span is None:
+    # the run's series: from its rollup when it has a current one (a long run's events are
+    # not read again), else aggregated from its events
+    series = common.operations_series(url, run_id)
+    if series is None:
         st.info("This run holds no events.")
         return
-    width = _width(span)
+    span, width = series["span"], series["width"]
     t0 = span[0]
     kind = table.loc[table["id"] == run_id, "kind"].iloc[0]
     st.caption(f"{kind} run · {span[1] - span[0]:.1f} s of events · bins of {width:g} s · "
                "every series is computed from the run's recorded events, alike for "
                "simulated and live runs")
 
-    reqs = common.instance_requests(url, run_id)
-    occ = occupancy(reqs)
+    occ = series["occ"]
     if not occ.empty:
-        occ = _peaks(occ.assign(time=occ["time"] - t0,
-                                series=occ["instance"] + " · " + occ["state"]), width)
         st.plotly_chart(_lines(occ, "time", "count", "series", "Requests waiting and running, "
                                "per instance (waiting = queue depth)", "requests", "hv"),
                         width="stretch", key="ops_occupancy")
 
     cap = common.pool_capacity(url, run_id)
-    blocks = common.block_bins(url, run_id, width)
+    blocks = series["blocks"]
     if not blocks.empty:
         blocks = blocks.sort_values("bin")
         blocks["used"] = blocks.groupby("instance")["delta"].cumsum()
@@ -111,7 +88,7 @@ def render(url: str, table: pd.DataFrame) -> None:
                             width="stretch", key="ops_kv")
 
     c4, c5 = st.columns(2)
-    pre = common.prefix_bins(url, run_id, width)
+    pre = series["prefix"]
     if not pre.empty:
         pre = pre.assign(time=pre["bin"] * width - t0)
         tokens = pre["cached"] + pre["computed"]
@@ -130,7 +107,7 @@ def render(url: str, table: pd.DataFrame) -> None:
             c4.plotly_chart(_lines(long, "time", "value", "series", "Prefix cache and reuse "
                                    "hit rate (per bin)", "% hit", "linear"),
                             width="stretch", key="ops_hits")
-    xfer = common.transfer_bins(url, run_id, width)
+    xfer = series["transfers"]
     if not xfer.empty:
         xfer = xfer.assign(time=xfer["bin"] * width - t0,
                            gbps=xfer["bytes"] / width / 1e9,
@@ -139,10 +116,11 @@ def render(url: str, table: pd.DataFrame) -> None:
                                "each instance", "GB/s", "hv"), width="stretch", key="ops_xfer")
 
     st.subheader("SLO attainment and goodput against offered rate")
-    win = attainment_windows(reqs, ttft_ms / 1e3, tpot_ms / 1e3,
-                             max((span[1] - span[0]) / 20, width))
-    prefill_n = reqs["prefill"].nunique()
-    decode_n = reqs["decode"].nunique()
+    slo = common.operations_slo(url, run_id, float(ttft_ms), float(tpot_ms))
+    assert slo is not None  # the run has events (series above)
+    win = slo["win"]
+    prefill_n = series["prefill_n"]
+    decode_n = series["decode_n"]
     ptp = cap["prefill_tp"] if cap else 1
     dtp = cap["decode_tp"] if cap else 1
     gpus = max(prefill_n * ptp + decode_n * dtp, 1)
@@ -161,11 +139,9 @@ def render(url: str, table: pd.DataFrame) -> None:
         fig.update_yaxes(title="SLO attainment (%)", range=[0, 105], secondary_y=False)
         fig.update_yaxes(title="goodput per GPU (req/s)", secondary_y=True)
         st.plotly_chart(fig, width="stretch", key="ops_slo")
-    done = reqs.dropna(subset=["ttft"])
-    met = ((done["ttft"] <= ttft_ms / 1e3) & (done["tpot"].fillna(0) <= tpot_ms / 1e3)).sum()
-    dur = (reqs["finished"].max() - reqs["arrived"].min()) if not done.empty else 0
-    st.caption(f"{len(done)} finished requests, {met} meet the SLO "
-               f"({met / max(len(done), 1) * 100:.1f} %); goodput {met / dur / gpus if dur else 0:.3g} "
+    done, met, dur = slo["done"], slo["met"], slo["dur"]
+    st.caption(f"{done} finished requests, {met} meet the SLO "
+               f"({met / max(done, 1) * 100:.1f} %); goodput {met / dur / gpus if dur else 0:.3g} "
                f"requests/s per GPU on {gpus} GPUs ({prefill_n} prefill x TP {ptp}, {decode_n} "
                f"decode x TP {dtp}{'' if cap else '; TP unknown, taken as 1'}).")
 

@@ -9,8 +9,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from .. import common, figures
-from ..queries import stats
+from .. import common, figures, rollup
 
 TITLE = "Push vs pull"
 SLUG = "push-pull"
@@ -20,35 +19,34 @@ def sweep_points(url: str, sweep_id: str, source: str) -> pd.DataFrame:
     """One row per point of a sweep: axes and TTFT/TPOT statistics (ms)."""
     kids = common.children(url, sweep_id)
     scenario = common.sweep_scenario(url, sweep_id)
-    warmup = int(scenario.get("warmup_requests", 0)) if scenario else 0
-    expected = int(scenario.get("requests", 0)) + warmup if scenario else 0
+    warmup, expected = rollup.warmup_of(scenario)
     rows: list[dict[str, Any]] = []
-    ids = []
     for k in kids.to_dict("records"):
         axes = common.point_axes(k["scenario"], k["meta"])
         if axes is None:
             continue
         rows.append({"run": k["id"], "source": source, **axes, "meta": k["meta"]})
-        ids.append(k["id"])
     if not rows:
         return pd.DataFrame()
-    fin = common.finished_requests(url, tuple(ids))
+    # a point's figures from its rollup when it was kept under this warm-up; the others'
+    # from their finished requests
+    kept = {}
+    for r in rows:
+        body = common.rollup_part(url, r["run"], "point")
+        got = rollup.point_of(body, warmup, expected) if body is not None else None
+        if got is not None:
+            kept[r["run"]] = got
+    rest = tuple(r["run"] for r in rows if r["run"] not in kept)
+    fin = common.finished_requests(url, rest) if rest else None
     out = []
     for r in rows:
-        mine = fin[fin["run"] == r["run"]].sort_values("arrived")
-        if warmup and r["meta"] and "seed" in r["meta"] and len(mine) == expected:
-            # a simulated point of exactly the named scenario's size: leave its warm-up
-            # requests out, as the simulator's own summary does (the sweep run does not
-            # record the scenario it ran, so a point of another size keeps every request)
-            mine = mine.iloc[warmup:]
         rec = {k: v for k, v in r.items() if k != "meta"}
-        if not mine.empty:
-            for metric in ("ttft", "tpot"):
-                s = stats(mine[metric] if metric == "ttft" else mine.loc[
-                    mine["output_tokens"] > 1, metric])
-                for stat in ("mean", "p50", "p90", "p99"):
-                    rec[f"{metric}_{stat}"] = s[stat]
-            rec["requests"] = len(mine)
+        mine = fin[fin["run"] == r["run"]] if fin is not None and r["run"] not in kept \
+            else None
+        if r["run"] in kept:
+            rec.update(kept[r["run"]])
+        elif mine is not None and not mine.empty:
+            rec.update(rollup.point_figures(mine, r["meta"], warmup, expected))
         else:  # an imported summary without per-request fields
             summary = (r["meta"] or {}).get("summary") or {}
             for metric in ("ttft", "tpot"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from .. import common, figures
+from .. import common, figures, rollup
 from .push_pull import published_points
 
 TITLE = "Reuse"
@@ -47,8 +47,21 @@ def render(url: str, table: pd.DataFrame) -> None:
     if not run_ids:
         st.info("No requests in that choice.")
         return
-    # runs without a reuse decision made no D->P read: their transfers need not be read
-    split = common.prefill_split(url, tuple(run_ids), bool(with_reuse & set(run_ids)))
+    # from the runs' rollups when each has a current one (a long run's requests are not read
+    # on a visit); else from the events. A run of more than REUSE_POINTS requests is drawn
+    # by an even sample of them either way.
+    kept = {r: common.rollup_part(url, r, "reuse") for r in run_ids}
+    if all(b is not None for b in kept.values()):
+        split = pd.concat([rollup.from_json(b["split"]) for b in kept.values() if b])
+        counts = pd.concat([rollup.from_json(b["outcomes"]) for b in kept.values() if b])
+        sizes = {r: int(b["requests"]) for r, b in kept.items() if b}
+    else:
+        # runs without a reuse decision made no D->P read: their transfers need not be read
+        whole = common.prefill_split(url, tuple(run_ids), bool(with_reuse & set(run_ids)))
+        sizes = whole.groupby("run").size().to_dict() if not whole.empty else {}
+        split = pd.concat([rollup.reuse_sample(g) for _, g in whole.groupby("run", sort=False)]
+                          ) if not whole.empty else whole
+        counts = common.reuse_outcomes(url, tuple(run_ids))
     if split.empty:
         st.info("No requests in that choice.")
         return
@@ -66,8 +79,13 @@ def render(url: str, table: pd.DataFrame) -> None:
     st.plotly_chart(figures.reuse_scatter(split.dropna(subset=["ttft"]), pub),
                     width="stretch", key="reuse_scatter")
     st.plotly_chart(figures.prefill_split(split), width="stretch", key="reuse_split")
+    sampled = {r: n for r, n in sizes.items() if n > rollup.REUSE_POINTS}
+    if sampled:
+        st.caption(f"Long runs are drawn by an even sample of {rollup.REUSE_POINTS:,} of their "
+                   "requests: " + ", ".join(f"{names.get(r, r[:8])}: of {n:,}"
+                                            for r, n in sampled.items())
+                   + ". The outcome counts below cover every request.")
 
-    counts = common.reuse_outcomes(url, tuple(run_ids))
     counts["setting"] = counts["run"].map(setting)
     counts["what"] = counts["what"].map(lambda w: _OUTCOME_NAMES.get(w, w))
     counts = counts.groupby(["setting", "what"], as_index=False)["count"].sum()

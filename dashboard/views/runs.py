@@ -7,8 +7,9 @@ import pandas as pd
 import streamlit as st
 
 from .. import common
-from ..queries import stats
 
+#: A run this long without a rollup gets a hint on how to write one.
+LONG_RUN_EVENTS = 200_000
 TITLE = "Runs"
 SLUG = "runs"
 
@@ -45,6 +46,11 @@ def render(url: str, table: pd.DataFrame) -> None:
         "id": view["id"],
     })
     st.caption(f"{len(view)} of {len(table)} runs · {int(table['events'].sum()):,} events")
+    slow = table[(table["events"] >= LONG_RUN_EVENTS) & ~table["rollup"]]
+    if not slow.empty:
+        st.caption(f"{len(slow)} run(s) of {LONG_RUN_EVENTS:,} events or more without a current "
+                   "rollup: their pages read every request of the run. `kvplane rollup` "
+                   "writes their rollups (`kvplane sim run` does for the points it records).")
     st.dataframe(shown, hide_index=True, width="stretch", key="runs_table")
 
     ids = list(table["id"])
@@ -68,8 +74,8 @@ def render(url: str, table: pd.DataFrame) -> None:
             st.subheader(row["scenario"])
             st.caption(f"{row['kind']} · {run_id}")
             if row["requests"]:
-                fin = common.finished_requests(url, (run_id,))
-                figures = pd.DataFrame({m.upper(): stats(fin[m]) for m in ("ttft", "tpot", "e2e")}
+                got = common.request_stats(url, run_id)  # the run's rollup, or its events
+                figures = pd.DataFrame({m.upper(): got[m] for m in ("ttft", "tpot", "e2e")}
                                        ).T[["n", "mean", "p50", "p90", "p99"]]
                 st.dataframe(figures.round(2), width="stretch")
             kids = table[table["parent"] == run_id]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from .. import common, figures
+from .. import common, figures, rollup
 from ..queries import PHASES, phases
 
 TITLE = "Request timeline"
@@ -20,19 +20,26 @@ def render(url: str, table: pd.DataFrame) -> None:
     if run_id is None:
         st.info("No run with requests in the store.")
         return
-    reqs = common.request_index(url, run_id)
-    if reqs.empty:
-        st.info("This run holds no request events.")
-        return
+    # the widgets start from the run's rollup when it has a current one; the whole request
+    # index is read only when a filter narrows it (or the run has no rollup)
+    digest = common.rollup_part(url, run_id, "timeline")
+    reqs = None
+    if digest is None:
+        reqs = common.request_index(url, run_id)
+        if reqs.empty:
+            st.info("This run holds no request events.")
+            return
+        digest = rollup.timeline_digest(reqs)
     c1, c2, c3, c4 = st.columns(4)
     order_by = c1.selectbox("Slowest by", ["e2e", "ttft", "queue"], key="timeline_order")
-    limit = c2.number_input("Requests shown", 5, 500, 40, step=5, key="timeline_limit")
-    lo, hi = int(reqs["prompt_tokens"].min()), int(reqs["prompt_tokens"].max())
+    limit = c2.number_input("Requests shown", 5, rollup.TIMELINE_TOP, 40, step=5,
+                            key="timeline_limit")
+    lo, hi = int(digest["lo"]), int(digest["hi"])
     span = c3.slider("Prompt tokens", lo, max(hi, lo + 1), (lo, max(hi, lo + 1)),
                      key="timeline_prompt")
     align = c4.toggle("Align at arrival", True, key="timeline_align")
     c5, c6, c7, c8 = st.columns(4)
-    decodes = sorted(x for x in reqs["decode"].dropna().unique())
+    decodes = list(digest["decodes"])
     chosen_dec = c5.multiselect("Decode instance", decodes, default=decodes,
                                 key="timeline_decode")
     only_failed = c6.checkbox("Only failed or unfinished", False, key="timeline_failed")
@@ -42,24 +49,28 @@ def render(url: str, table: pd.DataFrame) -> None:
                                   key="timeline_phases",
                                   help="Leave decode out to see the short phases better.")
 
-    view = reqs[(reqs["prompt_tokens"] >= span[0]) & (reqs["prompt_tokens"] <= span[1])]
-    if decodes and chosen_dec != decodes:
-        view = view[view["decode"].isin(chosen_dec)]
-    if only_failed:
-        view = view[~view["ok"]]
-    if search:
-        view = view[view["request"].str.contains(search, regex=False)]
-    key = {
-        "e2e": view["e2e"],
-        "ttft": view["ttft"],
-        "queue": view["prefill_started"] - view["arrived"],
-    }[order_by]
-    view = view.assign(_key=key).sort_values("_key", ascending=False, na_position="first")
+    unfiltered = (tuple(span) == (lo, max(hi, lo + 1)) and list(chosen_dec) == decodes
+                  and not only_failed and not search)
+    if reqs is None and unfiltered:  # every request matches: the rollup's slowest
+        total = matched = int(digest["requests"])
+        view = rollup.from_json(digest["top"][order_by])
+    else:
+        if reqs is None:
+            reqs = common.request_index(url, run_id)
+        view = reqs[(reqs["prompt_tokens"] >= span[0]) & (reqs["prompt_tokens"] <= span[1])]
+        if decodes and chosen_dec != decodes:
+            view = view[view["decode"].isin(chosen_dec)]
+        if only_failed:
+            view = view[~view["ok"]]
+        if search:
+            view = view[view["request"].str.contains(search, regex=False)]
+        total, matched = len(reqs), len(view)
+        view = rollup.slowest(view, order_by)
     shown = list(view["request"].head(int(limit)))
     # milestones only for the page of requests shown: a million-event run stays quick
     page = common.request_table(url, run_id, tuple(shown)).set_index("request").loc[shown] \
         .reset_index() if shown else view.head(0)
-    st.caption(f"{len(view)} of {len(reqs)} requests match; showing the {len(page)} slowest "
+    st.caption(f"{matched} of {total} requests match; showing the {len(page)} slowest "
                f"by {order_by}.")
     if page.empty:
         return

@@ -15,7 +15,7 @@ from kvplane.core.events import (
     SessionTaken,
 )
 from kvplane.core.reuse import RetainedHandle
-from kvplane.core.routing import Load, Policy, choose, choose_ranked
+from kvplane.core.routing import Load, Policy, choose, choose_ranked, choose_scanning
 from kvplane.core.sessions import Drop, Expire, Renew, SessionTable, Store, Take
 
 
@@ -225,6 +225,39 @@ def test_ranked_triples_choose_as_loads_do() -> None:
                 assert choose_ranked(policy, ranked, 0, aff) == (aff if ok else want.instance)
             assert choose(policy, loads, 5 if policy.kind == "round_robin" else 0, aff) == \
                 choose_ranked(policy, ranked, 5 if policy.kind == "round_robin" else 0, aff)
+
+
+def test_scanning_chooses_as_the_whole_snapshot_does() -> None:
+    """`choose_scanning` (instances asked in turn order, stopping at the floor) picks what
+    `choose_ranked` picks over every instance's triple, with ties, all at the floor, none at
+    it; and it asks fewer instances when one at the floor comes early."""
+    import random
+
+    rng = random.Random(9)
+    policy = Policy("least_loaded")
+    early = 0
+    for _ in range(2000):
+        n = rng.randint(1, 12)
+        names = sorted(f"p{k}" for k in range(n))
+        idle = rng.random()
+        ranked = [(0 if rng.random() < idle else rng.randint(1, 3), 0, name) for name in names]
+        asked: list[int] = []
+
+        def rank_of(i: int, ranked: list[tuple[int, int, str]] = ranked,
+                    asked: list[int] = asked) -> tuple[int, int, str]:
+            asked.append(i)
+            return ranked[i]
+
+        counter = rng.randint(0, 50)
+        got = choose_scanning(policy, names, rank_of, counter, (0, 0))
+        assert got == choose_ranked(policy, ranked, counter)
+        assert len(set(asked)) == len(asked)  # each asked once at most
+        early += len(asked) < n
+    assert early > 500
+    with pytest.raises(ValueError, match="least_loaded only"):
+        choose_scanning(Policy("round_robin"), ["a"], lambda i: (0, 0, "a"), 0, (0, 0))
+    with pytest.raises(ValueError, match="no instance"):
+        choose_scanning(policy, [], lambda i: (0, 0, "a"), 0, (0, 0))
 
 
 def test_routing_errors() -> None:

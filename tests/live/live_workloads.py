@@ -7,21 +7,21 @@ own recorded run: the calibration set (A) and the workload predicted from it (B)
   request of a new prompt shape is slow) and one short conversation with reuse (the first
   D->P read makes prefill's NIXL handshake with decode).
 - `WORKLOAD_A`: single requests (pull legs, nothing retained), prompts 64-384 tokens, 16
-  output tokens, one every 0.5 s. `WORKLOAD_B`: conversations of 4 turns (pull legs + reuse of
-  decode's retained KV), prompts 100-280 tokens, 24 output tokens, a conversation every 2 s,
-  0.1 s think time. Other lengths, another rate, reuse on. 192 requests each: with 32, the
+  output tokens, one a second. `WORKLOAD_B`: conversations of 4 turns (pull legs + reuse of
+  decode's retained KV), prompts 100-280 tokens, 24 output tokens, a conversation every 3 s,
+  0.1 s think time. Other lengths, another rate, reuse on. 192 and 256 requests: with 32, the
   recorded p50's own sampling spread (about 25 %) exceeds the 10 % target.
-- `interleave` records them in alternating blocks (A's first slice, B's first, A's second,
-  ...) through one router in bidirectional mode (a request without a conversation id is a plain
-  pull request there: nothing retained), each block finished before the next starts, so both
-  workloads draw the same host: on a shared machine the other users' load moves within minutes,
-  and two runs recorded one after the other see different hosts.
+- `together` records them at the same moments (both schedules from one start) through one
+  router in bidirectional mode (a request without a conversation id is a plain pull request
+  there: nothing retained), so both meet the same host second by second: on a shared machine
+  the other users' load comes in episodes of seconds, and workloads recorded apart (one after
+  the other, or in alternating blocks, `interleave`) met different episodes.
 - `HostSampler` samples the host's run queue (`procs_running` of /proc/stat) and load average
-  during each workload's blocks, stamped with the wall clock: the host's state each saw, an
+  while the workloads run, stamped with the wall clock: the host's state each saw, an
   input of the calibration and the twins, and the report's.
 - `keep_run` copies the events of one workload's requests (router and both connectors, by
   request id) into a run of its own, with the scenario it ran under in `meta.scenario` and the
-  host's samples during its blocks in `meta.host_samples`, so `kvplane calibrate live` and
+  host's samples while it ran in `meta.host_samples`, so `kvplane calibrate live` and
   `kvplane twin` take it as any recorded run (the calibration splits the host's slowdown by
   the run queue; a twin draws each hop given the run queue sampled at its time).
 
@@ -64,11 +64,12 @@ class Workload:
 # open loop: requests (A) and conversations (B) start on a fixed schedule whatever the host
 # does, as a twin replays them (a closed-loop client would hide a slow request's effect on
 # the next one's start, which the twin cannot know)
+# recorded together (`together`): both over the same 192 s, about 2.3 requests a second in all
 WORKLOAD_A = Workload("A", "pull", 0, (64, 128, 192, 256, 320, 384) * 32, max_tokens=16,
-                      interval=0.5)
-WORKLOAD_B = Workload("B", "bidirectional", 48, (), first=100, turns=4, new_tokens=36,
-                      max_tokens=24, interval=2.0, think=0.1)
-BLOCKS = 24  # alternating blocks per workload (A: 8 requests, B: 2 conversations each)
+                      interval=1.0)
+WORKLOAD_B = Workload("B", "bidirectional", 64, (), first=100, turns=4, new_tokens=36,
+                      max_tokens=24, interval=3.0, think=0.1)
+BLOCKS = 24  # `interleave`'s alternating blocks per workload (the GPU suite's)
 
 
 prompt = _servers.prompt
@@ -175,6 +176,22 @@ def interleave(url: str, workloads: list[Workload], blocks: int,
     if sampler is not None:
         sampler.phase = None
     return ids
+
+
+def together(url: str, workloads: list[Workload],
+             sampler: HostSampler | None = None) -> dict[str, list[str]]:
+    """Record `workloads` at the same moments through the router at `url`, each whole on its own
+    schedule from one start, so every one meets the same host (the sampler's phase is their
+    names joined by '+'): request ids per workload."""
+    if sampler is not None:
+        sampler.phase = "+".join(w.name for w in workloads)
+    try:
+        with cf.ThreadPoolExecutor(len(workloads)) as pool:
+            futures = {w.name: pool.submit(run, url, w, w.name) for w in workloads}
+            return {name: f.result() for name, f in futures.items()}
+    finally:
+        if sampler is not None:
+            sampler.phase = None
 
 
 def lengths_of(w: Workload) -> list[int]:

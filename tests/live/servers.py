@@ -58,16 +58,25 @@ def require_vllm() -> None:
                     pytrace=False)
 
 
+KEEP_LOG_DIRS = 60  # the newest suites' folders kept: a developer's disk does not fill up
+
+
 def log_dir(suite: str) -> Path:
     """Where a suite's server logs and event database go: kept after the run (pytest's own
     temporary folders are rotated away by later runs), under $KVPLANE_TEST_LOGS or the
-    temporary folder."""
+    temporary folder. Only the newest KEEP_LOG_DIRS folders stay: older ones are removed here
+    (each run's logs and stores take tens of MiB, and test runs add up)."""
+    import shutil
     import tempfile
 
     base = Path(os.environ.get("KVPLANE_TEST_LOGS",
                                Path(tempfile.gettempdir()) / "kvplane-live-logs"))
     path = base / f"{suite}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     path.mkdir(parents=True, exist_ok=True)
+    old = sorted((p for p in base.iterdir() if p.is_dir() and p != path),
+                 key=lambda p: p.stat().st_mtime)
+    for stale in old[:max(0, len(old) - KEEP_LOG_DIRS + 1)]:
+        shutil.rmtree(stale, ignore_errors=True)
     return path
 
 

@@ -207,3 +207,77 @@ def test_fit_live_prices_transfers_on_the_scenarios_link(live_db: str) -> None:
     # the fitted line sits at the quiet (lower) end of the recorded transfers
     below = sum(p <= d + 1e-9 for p, d in zip(priced, iv["p2d_transfer"], strict=True))
     assert below >= len(priced) // 2
+
+
+def test_groups_recorded_together_are_compared_on_their_own_requests(live_db: str) -> None:
+    """Workloads recorded together are twinned together (they shared the engines) and each is
+    compared on its own requests: the groups' live and twinned TTFTs are the whole run's, split
+    by request id, and a group of no finished request is refused, named."""
+    from kvplane.sim.live_calibration import predict, predict_groups
+    from kvplane.store import open_store
+
+    sc = load_scenario("live_sample_cpu")
+    with open_store(live_db) as store:
+        fit = fit_live(store, "live-sample", sc.model, sc.hardware, base_calibration(),
+                       block_size=sc.engine.block_size)
+        scen = apply_calibration(sc, fit.calibration)
+        ids = sorted({e.request for e in store.events("live-sample", ["RequestFinished"])
+                      if e.instance == "router" and e.request is not None})
+        half = {"first": ids[: len(ids) // 2], "rest": ids[len(ids) // 2:]}
+        whole = predict(store, "live-sample", scen, 2)
+        parts = predict_groups(store, "live-sample", scen, 2, groups=half)
+        with pytest.raises(ValueError, match="in nobody"):
+            predict_groups(store, "live-sample", scen, 1, groups={"nobody": ["no-such"]})
+    assert set(parts) == {"first", "rest"} and parts["first"].run == "first"
+    assert len(parts["first"].live) == len(half["first"])
+    assert len(parts["first"].predicted) == 2 * len(half["first"])
+    assert sorted(parts["first"].live + parts["rest"].live) == sorted(whole.live)
+    assert sorted(parts["first"].predicted + parts["rest"].predicted) == pytest.approx(
+        sorted(whole.predicted))
+    assert parts["first"].reads_live + parts["rest"].reads_live == whole.reads_live
+
+
+def test_cli_predicts_a_run_recorded_together_workload_by_workload(live_db: str) -> None:
+    """`--requests-of RUN` compares the twin of --predict on that run's requests alone."""
+    from kvplane.store import open_store
+
+    with open_store(live_db) as store:
+        ids = sorted({e.request for e in store.events("live-sample", ["RequestFinished"])
+                      if e.instance == "router" and e.request is not None})
+        first = set(ids[:3])
+        run = store.create_run("live", "first three", run_id="first-three")
+        store.append(run, [e for e in store.events("live-sample") if e.request in first])
+    res = CliRunner().invoke(app, ["calibrate", "live", "live-sample", "--db", live_db,
+                                   "--predict", "live-sample", "--requests-of", "first-three",
+                                   "--seeds", "1"])
+    assert res.exit_code == 0, res.output
+    assert "run first-three: 3 requests live" in res.output
+    assert "run live-sample:" not in res.output
+    bad = CliRunner().invoke(app, ["calibrate", "live", "live-sample", "--db", live_db,
+                                   "--predict", "live-sample", "--requests-of", "nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output
+    alone = CliRunner().invoke(app, ["calibrate", "live", "live-sample", "--db", live_db,
+                                     "--requests-of", "first-three"])
+    assert alone.exit_code == 2 and "give --predict" in alone.output
+
+
+def test_a_twins_slowdown_draws_keep_the_recorded_mean() -> None:
+    """Each recorded factor weighs 1/n in the draws, the worst stall too: 99 hops at 1x and one
+    at 1000x average 10.99x, and so do the simulator's draws (drawn as quantiles at i/(n-1),
+    the two extremes weighed half: 6.05x)."""
+    import statistics
+
+    from kvplane.sim.engine import Simulation
+    from kvplane.sim.runner import SimCosts, engine_config
+
+    recorded = [1.0] * 99 + [1000.0]
+    sc = apply_calibration(load_scenario("live_sample_cpu"), base_calibration().model_copy(
+        update={"host_slowdown": {"request_leg": HostSlowdown(
+            quantiles=recorded, source="synthetic: one stall among 100 hops")}}))
+    point = sc.points()[0]
+    costs = SimCosts.from_scenario(point.scenario)
+    sim = Simulation(engine_config(point, costs), costs)
+    draws = [sim.hop(1.0, "request_leg") for _ in range(200_000)]
+    assert statistics.fmean(draws) == pytest.approx(statistics.fmean(recorded), rel=0.05)
+    assert min(draws) == 1.0 and max(draws) == 1000.0
+    assert sum(d == 1000.0 for d in draws) == pytest.approx(200_000 / 200, rel=0.2)
