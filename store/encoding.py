@@ -37,7 +37,7 @@ way: into the JSON. A long list of ids in [0, 2**31) (the pools' case) is packed
 Python step per id: `struct` reads the ids once, and big-integer arithmetic finds the steps
 and which kind fits (`_pack_lanes`), making the same bytes as the id-by-id way.
 
-Since revision 0005 the simulator's lists reach the recorder with their runs
+Since revision 0006 the simulator's lists reach the recorder with their runs
 (`core.blocks.RunBlocks`: a tuple that also holds `(start, signed length)` pairs, cut from the
 pools' arrays and joined by the core), and the trusted encoder packs those per run
 (`_runs_piece`: kind 2, or kind 5 when a run descends) without reading a single id: a
@@ -227,7 +227,7 @@ def merge_lists(payload: dict[str, Any], lists: bytes) -> dict[str, Any]:
 #   kind 3: the first id as int32, then the difference of each id from the one before as a
 #           byte (0-255): an ascending list of near neighbours, the common case;
 #   kind 4: the same with the differences as int16: near neighbours in any order;
-#   kind 5 (since kvplane's store revision 0005): runs of ids one apart, ascending or
+#   kind 5 (since kvplane's store revision 0006): runs of ids one apart, ascending or
 #           descending, as (start, signed length) int32 pairs: a negative length counts down
 #           from its start (a decode pool's LIFO lists). Written for a list that came with its
 #           runs (`core.blocks.RunBlocks`, the simulator's) when one of them descends; such a
@@ -287,7 +287,7 @@ def unpack_lists(data: bytes) -> dict[str, list[int]]:
 
 
 def without_descending_runs(data: bytes) -> bytes | None:
-    """`data` (a `lists` value) written without kind 5, the form a store before revision 0005
+    """`data` (a `lists` value) written without kind 5, the form a store before revision 0006
     holds; None when it has no piece of kind 5 (nothing to rewrite). `ValueError` if damaged.
     """
     data = bytes(data)

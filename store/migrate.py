@@ -14,7 +14,7 @@ Rules kept here:
 - An older revision opened read-only is read as it is (a read-only open never writes, so it
   cannot migrate): every read works on every revision here, only slower on one that lacks what
   a later revision added (0002: stored block counts and the covering index; 0003: packed
-  block lists, which only new rows use; 0004: integer run keys in `events`; 0005 changes no
+  block lists, which only new rows use; 0004: integer run keys in `events`; 0006 changes no
   table, its rows may hold descending runs, see `encoding.pack_lists`). `upgrade_note`
   says so and how to migrate (`kvplane upgrade`); `has_block_counts` and `has_packed_lists`
   tell readers which SQL to use, and `events_of`, `events_of_runs` and `run_id_of` write the
@@ -103,9 +103,9 @@ def upgrade_note(revision: str | None, where: str) -> str | None:
             f"--db {where}` migrates it (a one-time write)")
 
 
-# Revisions whose reads are as fast as the head's: 0005 only widened what `events.lists` may
-# hold (descending runs), so a store at 0004 needs no upgrade to be read well.
-_READ_AS_FAST = frozenset({"0004", "0005"})
+# Revisions whose reads are as fast as the head's: 0006 only widened what `events.lists` may
+# hold (descending runs), so a store at 0005 needs no upgrade to be read well.
+_READ_AS_FAST = frozenset({"0005", "0006"})
 
 
 def has_block_counts(engine: Engine) -> bool:

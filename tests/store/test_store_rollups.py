@@ -89,7 +89,7 @@ def test_down_to_0004_and_up_again(store_url: str) -> None:
         assert old.rollups([run], "heads") == {}
         assert list(old.events(run)) == samples
     with open_store(store_url) as new:  # a writer upgrades it: the table is back, empty
-        assert current_revision(new.engine) == head_revision() == "0005"
+        assert current_revision(new.engine) == head_revision()
         assert model_drift(new.engine) == []
         assert new.rollups([run], "heads") == {}
         new.put_rollup(run, {"heads": {"x": 2}})

@@ -1,11 +1,11 @@
-"""Block lists that reach the recorder with their runs are packed per run (revision 0005).
+"""Block lists that reach the recorder with their runs are packed per run (revision 0006).
 
 - A `RunBlocks` (the simulator's lists while it records) is packed from its runs: kind 2 when
   every run ascends, kind 5 when one descends; it reads back as the same ids, on both backends.
-- A store written before 0005 by main's simulator (`tests/data/store_rev0004_sim.sqlite`,
+- A store written before 0006 by main's simulator (`tests/data/store_rev0004_sim.sqlite`,
   made by `tests/data/make_rev0004_sim_store.py` with main's code at 8dca3ec) opens read-only
   and upgraded, and holds exactly the events this tree's simulator makes for the same points.
-- Downgrading to 0004 rewrites every kind-5 list with the older kinds, so an older kvplane
+- Downgrading to 0005 rewrites every kind-5 list with the older kinds, so an older kvplane
   reads the store as it was.
 """
 
@@ -75,15 +75,15 @@ def test_a_recording_of_run_lists_reads_back_equal(store_url: str) -> None:
                                         is tuple for ev in got)
 
 
-def test_downgrade_to_0004_rewrites_descending_runs(store_url: str) -> None:
+def test_downgrade_to_0005_rewrites_descending_runs(store_url: str) -> None:
     with open_store(store_url) as store:
         run = store.create_run("sim", "runs")
         rec = BatchingRecorder(store, run, trusted=True)
         for ev in samples():
             rec.record(ev)
         rec.close()
-        downgrade(store.engine, "0004")
-        assert current_revision(store.engine) == "0004"
+        downgrade(store.engine, "0005")
+        assert current_revision(store.engine) == "0005"
         with store.engine.connect() as conn:
             lists = [bytes(v) for (v,) in conn.execute(
                 events_table.select().with_only_columns(events_table.c.lists))
@@ -108,8 +108,7 @@ def test_a_store_written_by_main_s_simulator_opens_and_holds_what_this_tree_simu
         wanted[point.label] = events
     for read_only in (True, False):  # as found (0004), then upgraded by a writer
         with open_store(url, read_only=read_only) as store:
-            assert current_revision(store.engine) == ("0004" if read_only else "0005")
-            assert store.upgrade_note is None  # 0004 reads as fast: nothing to suggest
+            assert current_revision(store.engine) == ("0004" if read_only else "0006")
             found = {r.scenario: list(store.events(r.id)) for r in store.runs()}
             assert found == wanted
             for events in found.values():

@@ -1,7 +1,7 @@
 """Packed block lists may hold descending runs (kind 5), written per run.
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 
 The schema is unchanged. What changes is what `events.lists` may hold: since this revision
 the simulator's block lists reach the recorder with their runs (`core.blocks.RunBlocks`), and
@@ -12,7 +12,7 @@ store is newer than itself (`StoreTooNew`) instead of calling those rows damaged
 
 Upgrading changes nothing: every row written before reads as it was. Downgrading rewrites
 each row holding a kind-5 piece with the older kinds (row by row in Python), so a store taken
-back to 0004 is read by an older kvplane as it was.
+back to 0005 is read by an older kvplane as it was.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # the same module under the name mypy can follow (see store/_
 else:
     from kvplane.store.encoding import without_descending_runs
 
-revision: str = "0005"
-down_revision: str | None = "0004"
+revision: str = "0006"
+down_revision: str | None = "0005"
 branch_labels: str | None = None
 depends_on: str | None = None
 
