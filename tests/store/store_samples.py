@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Union
 
 from hypothesis import strategies as st
@@ -14,6 +16,14 @@ from hypothesis import strategies as st
 from kvplane.core.events import EVENT_TYPES, Event
 
 FIELDS_COMMON = ("at", "instance", "request")
+
+
+def in_threads(target: Callable[..., Any], args: Sequence[Any]) -> list[Any]:
+    """`target(arg)` for each of `args`, each in a thread of its own, all at once: their
+    results in the order of `args` (an exception in any of them is raised here)."""
+    with ThreadPoolExecutor(len(args)) as pool:
+        futures = [pool.submit(target, a) for a in args]
+        return [f.result() for f in futures]
 
 
 def sample_value(hint: Any, name: str, i: int) -> Any:

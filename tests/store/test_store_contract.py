@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import Text, cast, func, inspect, select
-from store_samples import every_type_samples, sample_event
+from store_samples import every_type_samples, in_threads, sample_event
 
 from kvplane.core.errors import SchemaError
 from kvplane.core.events import (
@@ -104,21 +103,12 @@ def test_seq_is_contiguous_per_run_across_batches(store: EventStore) -> None:
 def test_concurrent_appenders_get_distinct_contiguous_seqs(store_url: str) -> None:
     stores = [open_store(store_url) for _ in range(4)]
     run = stores[0].create_run("live", "concurrent")
-    errors: list[BaseException] = []
 
     def writer(k: int) -> None:
-        try:
-            for n in range(10):
-                stores[k].append(run, [blocks(1000 * k + 10 * n + j) for j in range(10)])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for n in range(10):
+            stores[k].append(run, [blocks(1000 * k + 10 * n + j) for j in range(10)])
 
-    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    in_threads(writer, range(4))
     assert stored_seqs(stores[0], run) == list(range(400))
     # Each batch landed whole and in order.
     ats = [int(e.at) for e in stores[0].events(run)]
@@ -369,22 +359,14 @@ def test_a_store_before_0003_keeps_its_lists_in_the_json_and_reads_alike(store_u
 
 
 def test_concurrent_first_opens_migrate_once(store_url: str) -> None:
-    results: list[object] = []
-
-    def opener() -> None:
+    def opener(_: int) -> str | None:
+        s = open_store(store_url)
         try:
-            s = open_store(store_url)
-            results.append(current_revision(s.engine))
+            return current_revision(s.engine)
+        finally:
             s.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            results.append(exc)
 
-    threads = [threading.Thread(target=opener) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == [head_revision()] * 4
+    assert in_threads(opener, range(4)) == [head_revision()] * 4
 
 
 def test_read_side_aggregates_in_sql(store: EventStore) -> None:

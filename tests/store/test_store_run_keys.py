@@ -11,13 +11,12 @@ from __future__ import annotations
 import shutil
 import sqlite3
 import sys
-import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, insert, select
-from store_samples import every_type_samples
+from store_samples import every_type_samples, in_threads
 
 from kvplane.core.events import SCHEMA_VERSION, BlocksReserved
 from kvplane.results import request_rows
@@ -128,21 +127,11 @@ def test_the_database_gives_each_new_run_its_own_key(store_url: str) -> None:
             conn.execute(insert(runs_table).values(
                 id=other, kind="import", scenario="x", started=datetime.now(UTC), parent=None,
                 meta={}, schema_version=SCHEMA_VERSION))
-        errors: list[BaseException] = []
+        def create(_: int) -> None:
+            for i in range(5):
+                made.append(store.create_run("sim", f"t{i}"))
 
-        def create() -> None:
-            try:
-                for i in range(5):
-                    made.append(store.create_run("sim", f"t{i}"))
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=create) for _ in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        in_threads(create, range(3))
         with store.engine.connect() as conn:
             keys = dict(conn.execute(select(runs_table.c.id, runs_table.c.key)).all())
         assert set(keys) == {*made, other} and None not in keys.values()

@@ -21,7 +21,7 @@ from kvplane.core.blocks import RunBlocks, runs_of
 from kvplane.core.events import BlocksFreed, BlocksReserved, Event, TransferPlanned
 from kvplane.core.replay import replay
 from kvplane.sim.runner import simulate
-from kvplane.store import BatchingRecorder, events_table, model_drift, open_store
+from kvplane.store import BatchingRecorder, EventStore, events_table, model_drift, open_store
 from kvplane.store.encoding import _kinds, encode_trusted_one, payload_of
 from kvplane.store.migrate import current_revision, downgrade, upgrade
 
@@ -63,13 +63,19 @@ def test_run_lists_are_packed_per_run_and_read_back_as_their_ids() -> None:
         assert {n: payload_of(row)[n] for n in fields} == fields
 
 
+def recorded_samples(store: EventStore) -> str:
+    """A new run holding `samples()` as the simulator's trusted recorder writes them."""
+    run: str = store.create_run("sim", "runs")
+    rec = BatchingRecorder(store, run, trusted=True)
+    for ev in samples():
+        rec.record(ev)
+    rec.close()
+    return run
+
+
 def test_a_recording_of_run_lists_reads_back_equal(store_url: str) -> None:
     with open_store(store_url) as store:
-        run = store.create_run("sim", "runs")
-        rec = BatchingRecorder(store, run, trusted=True)
-        for ev in samples():
-            rec.record(ev)
-        rec.close()
+        run = recorded_samples(store)
         got = list(store.events(run))
         assert got == samples() and all(type(ev.blocks if hasattr(ev, "blocks") else ())
                                         is tuple for ev in got)
@@ -77,11 +83,7 @@ def test_a_recording_of_run_lists_reads_back_equal(store_url: str) -> None:
 
 def test_downgrade_to_0005_rewrites_descending_runs(store_url: str) -> None:
     with open_store(store_url) as store:
-        run = store.create_run("sim", "runs")
-        rec = BatchingRecorder(store, run, trusted=True)
-        for ev in samples():
-            rec.record(ev)
-        rec.close()
+        run = recorded_samples(store)
         downgrade(store.engine, "0005")
         assert current_revision(store.engine) == "0005"
         with store.engine.connect() as conn:
