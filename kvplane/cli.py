@@ -490,6 +490,7 @@ def calibrate_live(
         interference_note,
         predict_groups,
     )
+    from kvplane.sim.live_calibration import requests_of as requests_in
     from kvplane.sim.replay_sim import scenario_for_run
     from kvplane.store import RunNotFound, open_store
 
@@ -524,9 +525,7 @@ def calibrate_live(
             try:
                 target = store.run(predict).id
                 groups = None if not requests_of else {
-                    name: {e.request for e in store.events(store.run(name).id,
-                                                           ["RequestArrived"])
-                           if e.request is not None} for name in requests_of}
+                    name: requests_in(store, store.run(name).id) for name in requests_of}
                 preds = predict_groups(store, target, apply_calibration(sc, result.calibration),
                                        seeds, host_samples=samples.get(predict), groups=groups)
             except (RunNotFound, ScenarioError, ValueError) as exc:

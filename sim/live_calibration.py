@@ -518,6 +518,11 @@ def predict(store: EventStore, run_id: str, scenario: Any, seeds: int = 10,
     return predict_groups(store, run_id, scenario, seeds, host_samples)[run_id]
 
 
+def requests_of(store: EventStore, run_id: str) -> set[str]:
+    """The requests a recorded run holds (a group for `predict_groups`)."""
+    return {e.request for e in store.events(run_id, ["RequestArrived"]) if e.request is not None}
+
+
 def predict_groups(store: EventStore, run_id: str, scenario: Any, seeds: int = 10,
                    host_samples: Sequence[Sequence[float]] | None = None,
                    groups: Mapping[str, Collection[str]] | None = None) -> dict[str, Prediction]:
@@ -533,11 +538,12 @@ def predict_groups(store: EventStore, run_id: str, scenario: Any, seeds: int = 1
     def of(group: set[str] | None, request: str | None) -> bool:
         return group is None or request in group
 
-    live = {g: [e.ttft for e in store.events(run_id, ["RequestFinished"])  # type: ignore[attr-defined]
-                if e.instance == "router" and of(want, e.request)] for g, want in sets.items()}
-    reads = {g: sum(1 for e in store.events(run_id, ["ReuseDecided"])
-                    if e.outcome == "read" and of(want, e.request))  # type: ignore[attr-defined]
-             for g, want in sets.items()}
+    answered = [e for e in store.events(run_id, ["RequestFinished"]) if e.instance == "router"]
+    read = [e for e in store.events(run_id, ["ReuseDecided"])
+            if e.outcome == "read"]  # type: ignore[attr-defined]
+    live = {g: [e.ttft for e in answered if of(want, e.request)]  # type: ignore[attr-defined]
+            for g, want in sets.items()}
+    reads = {g: sum(1 for e in read if of(want, e.request)) for g, want in sets.items()}
     pred: dict[str, list[float]] = {g: [] for g in sets}
     twin_reads = dict.fromkeys(sets, 0)
     twins: list[str] = []

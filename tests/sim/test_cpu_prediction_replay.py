@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.sim.calibration import apply_calibration, calibration_for
-from kvplane.sim.live_calibration import fit_live, predict_groups
+from kvplane.sim.live_calibration import fit_live, predict_groups, requests_of
 from kvplane.sim.replay_sim import scenario_for_run
 from kvplane.store import open_store
 
@@ -46,8 +46,7 @@ def test_cpu_session_recorded_together_fitted_on_a_predicts_b(session: str,
         samples = ab.meta["host_samples"]
         fit = fit_live(store, "A", sc.model, sc.hardware, calibration_for(sc),
                        block_size=sc.engine.block_size, link=sc.link, host_samples=samples)
-        groups = {g: {e.request for e in store.events(g, ["RequestArrived"])}
-                  for g in ("A", "B")}
+        groups = {g: requests_of(store, g) for g in ("A", "B")}
         got = predict_groups(store, "AB", apply_calibration(sc, fit.calibration), SEEDS,
                              host_samples=samples, groups=groups)
     # fitted from A alone, its host split by the run queue; B is another workload (reuse on)
