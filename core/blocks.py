@@ -20,7 +20,7 @@ Rules kept here:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any, Self
 
@@ -61,6 +61,57 @@ def runs_of(ids: Sequence[int]) -> tuple[int, ...]:
         prev = b
     out += (start, length)
     return tuple(out)
+
+
+def spans(runs: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """Each run of `runs` as (lowest id, highest id)."""
+    for i in range(0, len(runs), 2):
+        start, length = runs[i], runs[i + 1]
+        yield (start, start + length - 1) if length > 0 else (start + length + 1, start)
+
+
+def runs_distinct(runs: tuple[int, ...]) -> bool:
+    """Whether the ids the runs spell are distinct and none is negative: per run, not per id
+    (the runs' spans, lowest first, neither overlap nor start below 0)."""
+    last = -1
+    for lo, hi in sorted(spans(runs)):
+        if lo <= last:
+            return False
+        last = hi
+    return True
+
+
+def paired_steps(src: tuple[int, ...], dst: tuple[int, ...], nb: int) -> int:
+    """Of the first `nb` places of two lists of distinct ids with their runs, how many after
+    the first have ids that are both their predecessor's plus one or both minus one: the
+    places inside one run of each side, both running the same way, counted per overlap of a
+    run of one with a run of the other (a run of k places holds k - 1 such steps)."""
+    a, b = _segments(src, nb), _segments(dst, nb)
+    i = j = pairs = 0
+    while i < len(a) and j < len(b):
+        (lo1, hi1, d1), (lo2, hi2, d2) = a[i], b[j]
+        if d1 == d2 != 0:
+            pairs += max(min(hi1, hi2) - max(lo1, lo2) - 1, 0)
+        if hi1 <= hi2:
+            i += 1
+        if hi2 <= hi1:
+            j += 1
+    return pairs
+
+
+def _segments(runs: tuple[int, ...], nb: int) -> list[tuple[int, int, int]]:
+    """The runs as places `[lo, hi)` in the list, with their way (1, -1, 0 for a lone id),
+    up to place `nb`."""
+    out = []
+    at = 0
+    for i in range(0, len(runs), 2):
+        if at >= nb:
+            break
+        length = runs[i + 1]
+        n = abs(length)
+        out.append((at, min(at + n, nb), (length > 1) - (length < 0)))
+        at += n
+    return out
 
 
 def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:

@@ -4,7 +4,8 @@ Rules kept here:
 - A duration, deadline or expiry is a finite number: NaN compares false with everything, so a
   NaN TTL would never expire and a NaN deadline would never pass; infinity has the same effect.
 - Token counts are never negative: a negative count would plan negative bytes.
-- A block list names each block once: `(7, 7)` would put two blocks' worth of KV in one.
+- A block list names each block once: `(7, 7)` would put two blocks' worth of KV in one. A
+  list that carries its runs (`blocks.RunBlocks`, vouched for by its maker) is checked per run.
 - What our own side passes wrongly is a `ProtocolError`; what a peer sent is a `PeerError`, so
   the caller records it and falls back instead of trusting it.
 """
@@ -16,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from sys import getrefcount
 
-from .blocks import RunBlocks
+from .blocks import RunBlocks, runs_distinct
 from .errors import PeerError, ProtocolError
 
 
@@ -66,6 +67,10 @@ def duplicates(blocks: Sequence[int]) -> str | None:
             return f"negative block id {blocks[0]}"
         return None
     if type(blocks) in _TUPLES and _FINE.get(id(blocks)) is blocks:
+        return None
+    if type(blocks) is RunBlocks and runs_distinct(blocks.runs):  # per run, not per id
+        if len(blocks) > 8:
+            _remember(blocks)
         return None
     if len(set(blocks)) != len(blocks):
         dup = sorted(b for b, n in Counter(blocks).items() if n > 1)

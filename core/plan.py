@@ -41,6 +41,7 @@ from itertools import compress, repeat
 from operator import mul, ne, sub
 from typing import Any
 
+from .blocks import RunBlocks, paired_steps
 from .checks import duplicates, theirs
 from .errors import PeerError
 from .events import Direction, TransferCompleted, TransferFailed, TransferPlanned
@@ -198,8 +199,11 @@ def _break_count(src: tuple[int, ...], dst: tuple[int, ...], bs: int, n: int) ->
     steps' product is 1 (`_breaks`), counted in C (`list.count`); a descending pair at a
     partly filled last block is a break more."""
     nb = -(-n // bs)
-    src, dst = src[:nb], dst[:nb]
-    breaks = nb - 1 - list(map(mul, map(sub, src[1:], src), map(sub, dst[1:], dst))).count(1)
+    if type(src) is RunBlocks and type(dst) is RunBlocks:  # per run, not per block
+        breaks = nb - 1 - paired_steps(src.runs, dst.runs, nb) if nb else 0
+    else:
+        src, dst = src[:nb], dst[:nb]
+        breaks = nb - 1 - list(map(mul, map(sub, src[1:], src), map(sub, dst[1:], dst))).count(1)
     if (nb * bs > n and nb > 1 and src[nb - 1] == src[nb - 2] - 1
             and dst[nb - 1] == dst[nb - 2] - 1):
         breaks += 1

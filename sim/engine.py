@@ -718,9 +718,9 @@ class BlockPool:
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
-        # hand long lists out with their runs (`RunBlocks`): set while a recorder listens,
-        # whose encoder then packs them per run instead of reading every id
-        self.with_runs = False
+        # hand long lists out with their runs (`RunBlocks`): the core then checks and plans
+        # them per run, and a recorder's encoder packs them per run, instead of per id
+        self.with_runs = True
 
     @property
     def free(self) -> int:
@@ -929,7 +929,6 @@ class Instance:
         self.sim, self.name, self.layout = sim, name, layout
         self.pool = BlockPool(blocks, run_blocks, sim.seed_for(name), prefix_caching,
                               sim.cfg.block_reuse)
-        self.pool.with_runs = sim.recording  # lists carry their runs for the recorder
         self.wake = sim.env.event()
         self.nic = simpy.Resource(sim.env, capacity=1)
         self.peers: set[str] = set()

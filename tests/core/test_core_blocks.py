@@ -9,6 +9,7 @@ import random
 import pytest
 
 from kvplane.core.blocks import RunBlocks, join, runs_of, tail
+from kvplane.core.plan import count_runs
 from kvplane.core.checks import duplicates, found_fine
 from kvplane.core.connector_rules import LoadWindow
 from kvplane.core.events import BlocksReserved
@@ -117,3 +118,24 @@ def test_the_check_remembers_a_run_list_and_refuses_a_repeat_in_one() -> None:
     assert duplicates(blocks) is None and found_fine(blocks)
     bad = RunBlocks([1, 2, 3, 2, 1] * 3, (1, 3, 2, -2) * 3)  # a turn repeats ids
     assert duplicates(bad) is not None and not found_fine(bad)
+
+
+def test_a_run_list_is_checked_per_run_with_the_answer_of_the_ids() -> None:
+    for ids in distinct_lists(3, 150):
+        rng = random.Random(len(ids))
+        for bad in ([*ids, ids[0]] if ids else [], [*ids, -1 - rng.randint(0, 3)],
+                    [*ids, *ids[rng.randint(0, max(len(ids) - 1, 0)):][:3]]):
+            if len(bad) >= 2:  # a repeat or a negative id, found per run as per id
+                assert (duplicates(with_runs(bad)) is None) == (duplicates(list(bad)) is None)
+        assert duplicates(with_runs(ids)) is None
+
+
+def test_transfer_runs_counted_per_run_equal_those_counted_per_block() -> None:
+    lists = distinct_lists(4, 120)
+    for src, dst in zip(lists[::2], lists[1::2], strict=True):
+        nb = min(len(src), len(dst))
+        for n in {1, 16 * nb - 5, 16 * nb - 16, 16 * nb} - {0}:
+            if n < 1 or n > 16 * nb:
+                continue
+            plain = count_runs(tuple(src), 16, tuple(dst), 16, n)
+            assert count_runs(with_runs(src), 16, with_runs(dst), 16, n) == plain
