@@ -122,7 +122,7 @@ def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
         return full[0] if full else ()
     parts = full
     if type(parts[0]) is not RunBlocks and not any(type(p) is RunBlocks for p in parts):
-        return tuple(chain.from_iterable(parts))  # no driver gave runs: none are made up
+        return _ids(parts)  # no driver gave runs: none are made up
     runs: list[int] = []
     for part in parts:
         if type(part) is RunBlocks:
@@ -132,12 +132,23 @@ def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
         elif len(part) <= 8:
             got = runs_of(part)
         else:
-            return tuple(chain.from_iterable(parts))
+            return _ids(parts)
         if runs:
             runs = _joined(runs, got)
         else:
             runs = list(got)
-    return RunBlocks(chain.from_iterable(parts), tuple(runs))
+    return RunBlocks(_ids(parts), tuple(runs))
+
+
+def _ids(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The parts' ids as one plain tuple: a few tuples are added (copied whole, not read id
+    by id), more are chained."""
+    if 2 <= len(parts) <= 4 and all(isinstance(p, tuple) for p in parts):
+        out = tuple.__add__(parts[0], parts[1])
+        for part in parts[2:]:
+            out += part
+        return out
+    return tuple(chain.from_iterable(parts))
 
 
 def _joined(runs: list[int], more: tuple[int, ...]) -> list[int]:

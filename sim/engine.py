@@ -508,6 +508,20 @@ def with_runs(arr: np.ndarray, ids: list[int]) -> tuple[int, ...]:
     return RunBlocks(ids, tuple(runs))
 
 
+def ids_array(blocks: tuple[int, ...]) -> np.ndarray:
+    """`blocks` as an int64 array: spelled from its runs when it carries a few (a handful
+    of array operations), else read id by id."""
+    if type(blocks) is not RunBlocks or 8 * len(blocks.runs) > len(blocks):
+        return np.array(blocks, dtype=np.int64)
+    runs = np.array(blocks.runs, dtype=np.int64)
+    starts, lengths = runs[0::2], runs[1::2]
+    sizes = np.abs(lengths)
+    steps = np.where(lengths < 0, -1, 1)
+    # the k-th id of a run is its start + k * step; k counted from the list's start here
+    firsts = starts - steps * (np.cumsum(sizes) - sizes)
+    return np.repeat(firsts, sizes) + np.repeat(steps, sizes) * np.arange(len(blocks))
+
+
 class FreeBlockQueue:
     """vLLM v1's queue of free blocks.
 
@@ -771,7 +785,7 @@ class BlockPool:
         if kept is not None and kept[0] is blocks:
             rev = kept[1][::-1]
         else:
-            rev = np.array(blocks[::-1], dtype=np.int64)
+            rev = ids_array(blocks)[::-1]
         if not self.prefix_caching:  # no hashes, no sharing (see `take`): all to the front
             front, back = rev, rev[:0]
         elif (ref[rev] <= 1).all():
@@ -894,7 +908,7 @@ class BlockPool:
         m = min(len(hashes), len(blocks))
         if not m:
             return
-        arr = np.array(blocks[:m], dtype=np.int64)
+        arr = ids_array(blocks)[:m]
         hs_all = np.asarray(hashes[:m], dtype=np.uint64)
         # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
         # cached yet: the prefix cache is asked about the first kind only

@@ -303,7 +303,7 @@ def test_the_hash_index_removes_by_value_as_by_key() -> None:
         assert len(index) == len(ref)
 
 
-def test_while_recording_a_pool_hands_out_long_lists_with_their_runs() -> None:
+def test_a_pool_hands_out_long_lists_with_their_runs() -> None:
     import random
 
     import numpy as np
@@ -314,7 +314,6 @@ def test_while_recording_a_pool_hands_out_long_lists_with_their_runs() -> None:
     rng = random.Random(5)
     for prefix_caching in (False, True):
         pool = BlockPool(4096, None, 0, prefix_caching=prefix_caching)
-        pool.with_runs = True
         held: list[tuple[int, ...]] = []
         for _ in range(300):  # take and give at random: LIFO reuse makes descending runs
             got = pool.take(rng.randint(1, 200))
@@ -332,5 +331,27 @@ def test_while_recording_a_pool_hands_out_long_lists_with_their_runs() -> None:
     ids = [5, 4, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
     got = with_runs(np.array(ids, dtype=np.int64), ids)
     assert type(got) is RunBlocks and got.runs == (5, -3, 10, 14)
-    pool = BlockPool(64, None, 0)  # not recording: plain tuples, as before
+    pool = BlockPool(64, None, 0)
+    assert type(pool.take(20)) is RunBlocks
+    pool.with_runs = False  # plain tuples
     assert type(pool.take(20)) is tuple
+
+
+def test_a_list_spelled_from_its_runs_is_the_array_of_its_ids() -> None:
+    import random
+
+    import numpy as np
+
+    from kvplane.core.blocks import RunBlocks, runs_of
+    from kvplane.sim.engine import ids_array
+
+    rng = random.Random(6)
+    for _ in range(500):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 5)):  # runs of both ways, apart from one another
+            start, step = rng.randint(0, 10_000) * 100 + 50, rng.choice((1, -1))
+            ids += [start + step * k for k in range(rng.randint(1, 40))]
+        blocks = RunBlocks(ids, runs_of(ids))
+        got = ids_array(blocks)
+        assert got.dtype == np.int64 and got.tolist() == ids
+        assert ids_array(tuple(ids)).tolist() == ids
