@@ -270,6 +270,15 @@ class HashIndex:
         out = np.where(hit, idx, -1)
         todo = np.flatnonzero(~settled)
         mask = len(keys) - 1
+        if len(todo) <= 4:  # a few: walked one slot at a time, cheaper than array rounds
+            for t in todo.tolist():
+                pos, want1 = (int(idx[t]) + 1) & mask, hs[t]
+                while (v1 := vals[pos]) != self._EMPTY:
+                    if v1 >= 0 and keys[pos] == want1:
+                        out[t] = pos
+                        break
+                    pos = (pos + 1) & mask
+            return out
         pos, want = (idx[todo] + 1) & mask, hs[todo]
         ahead = np.arange(self._WINDOW)
         while len(todo):
