@@ -308,6 +308,20 @@ class HashIndex:
         todo = np.arange(len(hs))
         pos = self._slots(hs)
         keys, vals, mask = self.keys, self.vals, size - 1
+        v = vals[pos]
+        if len(hs) and (v < 0).all():
+            # the usual case, the first round below with every key at its home slot (free,
+            # and its own: each key's number reads back), on the slots alone
+            vals[pos] = todo
+            if (vals[pos] == todo).all():
+                self.removed -= int(np.count_nonzero(v == self._GONE))
+                keys[pos] = hs
+                vals[pos] = blocks
+                if self.slot_of is not None:
+                    self.slot_of[blocks] = pos
+                self.live += len(hs)
+                return
+            vals[pos] = v  # as it was: the rounds decide
         ahead = np.arange(self._WINDOW)
         while len(todo):
             # each key looks at the next `_WINDOW` slots of its probe run and aims at the first
