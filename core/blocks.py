@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
+from operator import is_
 from typing import Any, Self
 
 
@@ -114,13 +115,28 @@ def _segments(runs: tuple[int, ...], nb: int) -> list[tuple[int, int, int]]:
     return out
 
 
+# The last join's parts and its answer: a request's blocks are joined by its own entry and
+# then by the ledger, from the very same parts, when they are freed; the second gets the
+# first's tuple (no copy, and found fine by `checks` already)
+_last_join: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] = ((), ())
+
+
 def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     """The parts one after another: a `RunBlocks` if some part came with runs and every other
     is short (its runs are then walked), else a plain tuple (as when no driver gives runs)."""
+    global _last_join
     full = [part for part in parts if part]
     if len(full) <= 1:  # the very tuple (identity is what memories of lists key on)
         return full[0] if full else ()
-    parts = full
+    last_parts, last = _last_join
+    if len(last_parts) == len(full) and all(map(is_, last_parts, full)):
+        return last
+    out = _join(full)
+    _last_join = (tuple(full), out)
+    return out
+
+
+def _join(parts: list[tuple[int, ...]]) -> tuple[int, ...]:
     if type(parts[0]) is not RunBlocks and not any(type(p) is RunBlocks for p in parts):
         return _ids(parts)  # no driver gave runs: none are made up
     runs: list[int] = []
@@ -141,13 +157,11 @@ def join(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def _ids(parts: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
-    """The parts' ids as one plain tuple: a few tuples are added (copied whole, not read id
-    by id), more are chained."""
-    if 2 <= len(parts) <= 4 and all(isinstance(p, tuple) for p in parts):
-        out = tuple.__add__(parts[0], parts[1])
-        for part in parts[2:]:
-            out += part
-        return out
+    """The parts' ids as one plain tuple: the first (most often the long one: a prompt's
+    blocks, then a decode's one-block growths) copied whole, not read id by id."""
+    if len(parts) >= 2 and all(isinstance(p, tuple) for p in parts):
+        rest = parts[1] if len(parts) == 2 else tuple(chain.from_iterable(parts[1:]))
+        return tuple.__add__(parts[0], rest)
     return tuple(chain.from_iterable(parts))
 
 

@@ -747,6 +747,7 @@ class BlockPool:
         self.version = 0  # changes whenever `block_of` does
         self._hits_memo: tuple[Any, int, int, list[int], np.ndarray] | None = None
         self._arrays: tuple[list[int], np.ndarray] | None = None  # a list and its array
+        self._hit_arrays: tuple[list[int], np.ndarray] | None = None  # the last `hits`'
         self._last_hits: tuple[np.ndarray, np.ndarray] | None = None  # hashes, their blocks
         # large takes' arrays by the id of the tuple handed out (the tuple is kept with it,
         # so the id stays its own), for `give`; bounded, cleared when full
@@ -796,7 +797,7 @@ class BlockPool:
             return new
         if not self.with_runs:
             return (*hit, *new)
-        return join((with_runs(np.asarray(hit, dtype=np.int64), hit), new))
+        return join((with_runs(self._array(hit), hit), new))
 
     def give(self, blocks: tuple[int, ...]) -> None:
         """Free a request's blocks, tail first."""
@@ -841,14 +842,16 @@ class BlockPool:
         if memo is None or memo[0] is not hashes or memo[1] != limit or memo[2] != self.version:
             memo = self._hits_memo = self._hits(hashes, limit)
         out = list(memo[3])
-        self._arrays = (out, memo[4])  # `free_of` and `touch` of this list need no conversion
+        # `free_of`, `touch` and `joined` of this list need no conversion
+        self._arrays = self._hit_arrays = (out, memo[4])
         return out
 
     def _array(self, blocks: list[int]) -> np.ndarray:
-        """`blocks` as an array: the one made with this very list (`_arrays`), or anew."""
-        got = self._arrays
-        if got is not None and got[0] is blocks:
-            return got[1]
+        """`blocks` as an array: the one made with this very list (`_arrays`, `_hit_arrays`),
+        or anew."""
+        for got in (self._arrays, self._hit_arrays):
+            if got is not None and got[0] is blocks:
+                return got[1]
         return np.array(blocks, dtype=np.int64)
 
     def _hits(self, hashes: Sequence[int] | np.ndarray, limit: int

@@ -139,3 +139,12 @@ def test_transfer_runs_counted_per_run_equal_those_counted_per_block() -> None:
                 continue
             plain = count_runs(tuple(src), 16, tuple(dst), 16, n)
             assert count_runs(with_runs(src), 16, with_runs(dst), 16, n) == plain
+
+
+def test_joining_the_very_same_parts_again_gives_the_same_tuple() -> None:
+    prompt, grown = with_runs(list(range(200, 264))), (7,)
+    first = join([prompt, grown])
+    assert join((prompt, (), grown)) is first  # the ledger's join of the entry's parts
+    other = join([prompt, (8,)])
+    assert other is not first and other == (*prompt, 8)
+    assert join([prompt, grown]) == first and join([prompt, tuple(grown)]) == (*prompt, 7)
