@@ -21,6 +21,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator
@@ -199,8 +200,21 @@ def block_hashes(request: Request, block_size: int, tokens: int | None = None) -
     shared_blocks = request.shared_tokens // block_size if request.shared_stream else 0
     if shared_blocks <= 0:  # every block on the request's own stream: `_mix` of one key
         return _splitmix64(j.astype(_U64) ^ _U64((request.stream << 24) & _MASK64))
-    keys = np.where(j < shared_blocks, request.shared_stream, request.stream)
-    return _mix(keys, j)
+    k = min(shared_blocks, n)
+    shared = _shared_hashes(request.shared_stream, k)
+    if k == n:
+        return shared.copy()
+    own = _mix(np.full(n - k, request.stream, dtype=np.int64), j[k:])
+    return np.concatenate((shared, own))
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_hashes(stream: int, blocks: int) -> np.ndarray:
+    """The hashes of a shared prefix's `blocks` blocks (every prompt sharing it starts with
+    them): computed once, not once a request. Read only."""
+    out = _mix(np.full(blocks, stream, dtype=np.int64), np.arange(blocks, dtype=np.int64))
+    out.flags.writeable = False
+    return out
 
 
 def matching_prefix_blocks(a: np.ndarray, b: np.ndarray) -> int:

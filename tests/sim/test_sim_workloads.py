@@ -82,6 +82,22 @@ def test_shared_prefix_is_shared_in_block_hashes() -> None:
     assert matching_prefix_blocks(none[0].block_hashes(16), none[1].block_hashes(16)) == 0
 
 
+def test_block_hashes_follow_their_definition_whatever_the_shared_length() -> None:
+    """Block j hashes (shared stream, j) inside the shared prefix, else (own stream, j),
+    however much of the prompt the prefix covers (the shared part is computed once)."""
+    from dataclasses import replace
+
+    from kvplane.sim.workloads import _mix
+
+    base = generate(POISSON.model_copy(update={"shared_prefix_fraction": 0.5}), 1, seed=2)[0]
+    for prompt, shared in ((1024, 512), (1024, 0), (64, 4096), (1000, 999), (8, 8), (16, 16)):
+        q = replace(base, prompt_tokens=prompt, shared_tokens=shared, shared_stream=7,
+                    stream=11)
+        j = np.arange(prompt // 16, dtype=np.int64)
+        keys = np.where(j < shared // 16, 7, 11)
+        assert q.block_hashes(16).tolist() == _mix(keys, j).tolist()
+
+
 def test_multi_turn_context_grows_by_output_user_and_tool() -> None:
     batch = generate(CHAT, 3000, seed=3, max_model_len=32768)
     by_rid = list(batch)
