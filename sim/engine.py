@@ -785,10 +785,18 @@ class BlockPool:
             self.block_of.remove_values(cached)  # their hashes' entries
         got = with_runs(arr, out) if self.with_runs else tuple(out)
         if n >= 64:  # a prompt's blocks, most often given back as they are: keep the array
-            if len(self._taken) >= 256:
-                self._taken.clear()
-            self._taken[id(got)] = (got, arr)
+            self._keep(got, arr)
         return got
+
+    def _keep(self, blocks: tuple[int, ...], arr: np.ndarray) -> None:
+        if len(self._taken) >= 256:
+            self._taken.clear()
+        self._taken[id(blocks)] = (blocks, arr)
+
+    def _kept(self, blocks: tuple[int, ...]) -> np.ndarray:
+        """The array of a list this pool handed out (kept), else spelled anew."""
+        kept = self._taken.get(id(blocks))
+        return kept[1] if kept is not None and kept[0] is blocks else ids_array(blocks)
 
     def joined(self, hit: list[int], new: tuple[int, ...]) -> tuple[int, ...]:
         """A request's blocks: its prefix-cache hits, then the blocks newly taken (`new`
@@ -797,7 +805,12 @@ class BlockPool:
             return new
         if not self.with_runs:
             return (*hit, *new)
-        return join((with_runs(self._array(hit), hit), new))
+        arr = self._array(hit)
+        out = join((with_runs(arr, hit), new))
+        kept = self._taken.pop(id(new), None)
+        if kept is not None and kept[0] is new:  # the whole list's array, kept in its stead
+            self._keep(out, np.concatenate((arr, kept[1])))
+        return out
 
     def give(self, blocks: tuple[int, ...]) -> None:
         """Free a request's blocks, tail first."""
@@ -934,7 +947,7 @@ class BlockPool:
         m = min(len(hashes), len(blocks))
         if not m:
             return
-        arr = ids_array(blocks)[:m]
+        arr = self._kept(blocks)[:m]
         hs_all = np.asarray(hashes[:m], dtype=np.uint64)
         # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
         # cached yet: the prefix cache is asked about the first kind only
