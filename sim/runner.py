@@ -89,13 +89,17 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
         else:
             followers.setdefault(q.previous, []).append(q)
 
+    # a prompt's block hashes are read by a prefix cache and by a reuse decision only
+    cfg = sim.cfg
+    hashed = cfg.prefill_prefix_caching or cfg.decode_prefix_caching or cfg.bidirectional
+
     def make(q: Request) -> SimRequest:
         retained = None
         if q.conversation is not None:  # the prompt's hashes lead those of prompt + output
             retained = q.block_hashes(block_size, q.prompt_tokens + q.output_tokens)
             hashes = retained[: q.prompt_tokens // block_size]
         else:
-            hashes = q.block_hashes(block_size)
+            hashes = q.block_hashes(block_size) if hashed else None
         r = SimRequest(ids[q.rid] if ids else q.request_id, env.now, q.prompt_tokens,
                        q.output_tokens,
                        conversation=(conversations[q.rid] if conversations
