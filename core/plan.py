@@ -199,7 +199,8 @@ def _break_count(src: tuple[int, ...], dst: tuple[int, ...], bs: int, n: int) ->
     steps' product is 1 (`_breaks`), counted in C (`list.count`); a descending pair at a
     partly filled last block is a break more."""
     nb = -(-n // bs)
-    if type(src) is RunBlocks and type(dst) is RunBlocks:  # per run, not per block
+    if (type(src) is RunBlocks and type(dst) is RunBlocks
+            and 4 * (len(src.runs) + len(dst.runs)) <= nb):  # few runs: per run, not per block
         breaks = nb - 1 - paired_steps(src.runs, dst.runs, nb) if nb else 0
     else:
         src, dst = src[:nb], dst[:nb]

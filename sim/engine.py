@@ -531,10 +531,16 @@ def with_runs(arr: np.ndarray, ids: list[int]) -> tuple[int, ...]:
     return RunBlocks(ids, tuple(runs))
 
 
+# lists this long are handed out with their runs whether or not a recorder listens: per run,
+# the core's checks and plans and `ids_array` cost less than per id from about here on
+RUNS_FROM = 256
+
+
 def ids_array(blocks: tuple[int, ...]) -> np.ndarray:
-    """`blocks` as an int64 array: spelled from its runs when it carries a few (a handful
-    of array operations), else read id by id."""
-    if type(blocks) is not RunBlocks or 8 * len(blocks.runs) > len(blocks):
+    """`blocks` as an int64 array: spelled from its runs when it is long and carries a few
+    (a handful of array operations), else read id by id."""
+    if (type(blocks) is not RunBlocks or len(blocks) < RUNS_FROM
+            or 8 * len(blocks.runs) > len(blocks)):
         return np.array(blocks, dtype=np.int64)
     runs = np.array(blocks.runs, dtype=np.int64)
     starts, lengths = runs[0::2], runs[1::2]
@@ -756,9 +762,10 @@ class BlockPool:
         # the synthetic history's queue: only runs, appended at the back (no hashes, no
         # sharing), kept in a numpy ring so that a take or a give is a few array operations
         self.ring = SyntheticQueue(n) if synthetic else None
-        # hand long lists out with their runs (`RunBlocks`): the core then checks and plans
-        # them per run, and a recorder's encoder packs them per run, instead of per id
-        self.with_runs = True
+        # hand lists out with their runs (`RunBlocks`): the core then checks and plans them
+        # per run, and a recorder's encoder packs them per run, instead of per id. Lists of
+        # `RUNS_FROM` blocks or more always; shorter ones (from 16) while a recorder listens
+        self.with_runs = False
 
     @property
     def free(self) -> int:
@@ -776,14 +783,14 @@ class BlockPool:
         if not self.prefix_caching:
             # no hashes and no sharing: a block's holder count is never asked (`give` frees
             # every block of a request whatever it says)
-            return with_runs(arr, out) if self.with_runs else tuple(out)
+            return with_runs(arr, out) if self.with_runs or n >= RUNS_FROM else tuple(out)
         self.ref[arr] = 1
         cached = arr[self.hashed[arr]]
         if len(cached):  # taking a cached block from the head evicts its hash
             self.version += 1
             self.hashed[cached] = False
             self.block_of.remove_values(cached)  # their hashes' entries
-        got = with_runs(arr, out) if self.with_runs else tuple(out)
+        got = with_runs(arr, out) if self.with_runs or n >= RUNS_FROM else tuple(out)
         if n >= 64:  # a prompt's blocks, most often given back as they are: keep the array
             self._keep(got, arr)
         return got
@@ -803,13 +810,17 @@ class BlockPool:
         itself when nothing hit), with their runs when lists carry them."""
         if not hit:
             return new
-        if not self.with_runs:
+        if not self.with_runs and len(hit) + len(new) < RUNS_FROM:
             return (*hit, *new)
         arr = self._array(hit)
-        out = join((with_runs(arr, hit), new))
         kept = self._taken.pop(id(new), None)
-        if kept is not None and kept[0] is new:  # the whole list's array, kept in its stead
-            self._keep(out, np.concatenate((arr, kept[1])))
+        new_arr = kept[1] if kept is not None and kept[0] is new else None
+        if type(new) is not RunBlocks and len(new) >= 16:  # the whole list carries runs
+            new = with_runs(np.asarray(new, dtype=np.int64) if new_arr is None else new_arr,
+                            list(new))
+        out = join((with_runs(arr, hit), new))
+        if new_arr is not None:  # the whole list's array, kept in the new blocks' stead
+            self._keep(out, np.concatenate((arr, new_arr)))
         return out
 
     def give(self, blocks: tuple[int, ...]) -> None:
@@ -982,6 +993,7 @@ class Instance:
         self.sim, self.name, self.layout = sim, name, layout
         self.pool = BlockPool(blocks, run_blocks, sim.seed_for(name), prefix_caching,
                               sim.cfg.block_reuse)
+        self.pool.with_runs = sim.recording  # short lists too carry runs for the recorder
         self.wake = sim.env.event()
         self.nic = simpy.Resource(sim.env, capacity=1)
         self.peers: set[str] = set()

@@ -303,17 +303,18 @@ def test_the_hash_index_removes_by_value_as_by_key() -> None:
         assert len(index) == len(ref)
 
 
-def test_a_pool_hands_out_long_lists_with_their_runs() -> None:
+def test_while_recording_a_pool_hands_out_long_lists_with_their_runs() -> None:
     import random
 
     import numpy as np
 
     from kvplane.core.blocks import RunBlocks, runs_of
-    from kvplane.sim.engine import with_runs
+    from kvplane.sim.engine import RUNS_FROM, with_runs
 
     rng = random.Random(5)
     for prefix_caching in (False, True):
         pool = BlockPool(4096, None, 0, prefix_caching=prefix_caching)
+        pool.with_runs = True
         held: list[tuple[int, ...]] = []
         for _ in range(300):  # take and give at random: LIFO reuse makes descending runs
             got = pool.take(rng.randint(1, 200))
@@ -331,10 +332,12 @@ def test_a_pool_hands_out_long_lists_with_their_runs() -> None:
     ids = [5, 4, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
     got = with_runs(np.array(ids, dtype=np.int64), ids)
     assert type(got) is RunBlocks and got.runs == (5, -3, 10, 14)
-    pool = BlockPool(64, None, 0)
-    assert type(pool.take(20)) is RunBlocks
-    pool.with_runs = False  # plain tuples
-    assert type(pool.take(20)) is tuple
+    pool = BlockPool(1024, None, 0, prefix_caching=True)  # not recording: plain tuples,
+    assert type(pool.take(20)) is tuple  # but for lists long enough to gain by their runs
+    long = pool.take(RUNS_FROM)
+    assert type(long) is RunBlocks and long.runs == runs_of(long)
+    joined = pool.joined([1000, 1001], pool.take(RUNS_FROM - 2))  # a prompt: hits, new
+    assert type(joined) is RunBlocks and joined.runs == runs_of(joined)
 
 
 def test_a_list_spelled_from_its_runs_is_the_array_of_its_ids() -> None:
