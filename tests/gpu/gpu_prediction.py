@@ -4,7 +4,8 @@ The GPU counterpart of tests/live/test_live_prediction.py, on a dedicated H200 i
 shared 2-core CPU machine, with a model of a size users serve:
 
 1. a Llama-3.1-8B-shaped model (KVPLANE_GPU_MODEL=dense8b, the default; `dense14b`: a
-   Qwen2.5-14B-shaped one, tests/gpu/gpu_prediction_dense14b.yaml) with random weights (`--load-format dummy`: the matmuls and the
+   Qwen2.5-14B-shaped one, tests/gpu/gpu_prediction_dense14b.yaml; `dense3b`: Llama-3.2-3B;
+   `moe30b`: Qwen3-30B-A3B, a mixture of experts) with random weights (`--load-format dummy`: the matmuls and the
    KV bytes of the real model; the vocabulary is the test tokenizer's 1,024, so nothing is
    downloaded), one prefill and one decode vLLM server (CUDA, bfloat16, block size 16, prefix
    caching off; vLLM's default compilation and CUDA graphs, as users run it, or eager with
@@ -73,6 +74,13 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
         "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
         "num_key_value_heads": 8, "head_dim": 128}),
+    "moe30b": ("gpu_prediction_moe30b.yaml", {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}),
 }
 MODEL = os.environ.get("KVPLANE_GPU_MODEL", "dense8b")
 SCENARIO = Path(__file__).with_name(MODELS[MODEL][0])
