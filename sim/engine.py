@@ -986,7 +986,11 @@ class BlockPool:
         m = min(len(hashes), len(blocks))
         if not m:
             return
-        arr = np.array(blocks[:m], dtype=np.int64)
+        kept = self._taken.get(id(blocks))
+        if kept is not None and kept[0] is blocks:  # the array `take` made it from
+            arr = kept[1][:m]
+        else:
+            arr = np.array(blocks[:m], dtype=np.int64)
         hs_all = np.asarray(hashes[:m], dtype=np.uint64)
         # pairs whose block has no hash (a prompt's hits have theirs) and whose hash is not
         # cached yet: the prefix cache is asked about the first kind only
