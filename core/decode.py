@@ -5,8 +5,8 @@ Rules kept here:
   registration (`RegistrationSent`). It counts completion notifications, one per (producer rank,
   consumer rank) stream of the plan, and has the KV only when every expected one arrived.
   Duplicates are recorded and not counted; a notification from a stream that was never expected
-  is the peer misbehaving (`PeerError`). The notifications that end the wait are recorded in
-  the `KVReceived` itself (its `src_ranks`, `dst_ranks`), not each on its own.
+  is the peer misbehaving (`PeerError`). Notifications that come together and end the wait
+  (`NotifyMany`) are recorded in the `KVReceived` itself (its `src_ranks`, `dst_ranks`).
 - Pull: decode plans the READ itself (in its engine loop: the driver charges that time) once
   prefill's metadata is relayed, and has the KV when the READ completes. The metadata says when
   prefill's hold on the blocks expires (`src_expires_at`); a READ that would not end `read_margin`
@@ -30,9 +30,9 @@ Rules kept here:
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import chain
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import chain
 from typing import Any, Literal
 
 from .blocks import join
@@ -74,6 +74,20 @@ def _expected(layout: KVLayout, src_tp: int) -> frozenset[tuple[int, int]]:
     return frozenset((s.src_rank, s.dst_rank) for s in fan_out(src, layout))
 
 
+@lru_cache(maxsize=256)
+def _ranks(pairs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The src and dst ranks of (src_rank, dst_rank) pairs: one pair of tuples for every
+    push between the same layouts (a recorder packs a tuple it has seen once)."""
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+
+@lru_cache(maxsize=1024)
+def _interned(values: tuple[int, ...]) -> tuple[int, ...]:
+    """One tuple object for equal tuples (a macro-step's attempts, all 0, and block counts,
+    mostly all 1, repeat): a recorder packs a tuple it has seen once."""
+    return values
+
+
 # --- commands -----------------------------------------------------------------------------------
 
 
@@ -106,8 +120,9 @@ class Notify:
 class NotifyMany:
     """A push's completion notifications arriving together (its streams ended at one
     instant), one `Notify` per (src_rank, dst_rank) pair: the state the `Notify`s one by one
-    leave, and their events, except that the first arrivals of a command that ends the wait
-    are folded into its `KVReceived`; a stream the wait does not expect refuses them all."""
+    leave, and their events, except that when its first pairs are the streams still awaited
+    (each once) they are recorded in the `KVReceived` they complete, not each as its own
+    `NotificationReceived`; a stream the wait does not expect refuses them all."""
 
     request: str
     attempt: int
@@ -347,14 +362,17 @@ class DecodeCore(Machine[DecodeCommand]):
         ]
 
     def _notify(self, cmd: Notify, now: float) -> list[Event]:
-        # one pair of `_notify_many` (late or stale, after the wait ended: a duplicate)
+        # one pair of `_notify_many` (late or stale, after the wait ended: a duplicate),
+        # recorded as its own `NotificationReceived` (a live connector's notifications come
+        # one by one, each from its own message)
         return self._notify_many(
-            NotifyMany(cmd.request, cmd.attempt, ((cmd.src_rank, cmd.dst_rank),)), now)
+            NotifyMany(cmd.request, cmd.attempt, ((cmd.src_rank, cmd.dst_rank),)), now,
+            fold=False)
 
-    def _notify_many(self, cmd: NotifyMany, now: float) -> list[Event]:
+    def _notify_many(self, cmd: NotifyMany, now: float, fold: bool = True) -> list[Event]:
         # `_notify` for each pair, against the state the earlier pairs' events leave: the
         # wait ends at the last expected stream (its KV is received; an aborted attempt's
-        # blocks are freed); every pair after it is a repeat, as `_notify` finds it. A command
+        # blocks are freed); every pair after it is a repeat, as `_notify` finds it. A batch
         # whose first pairs are the streams still awaited, each once, records them in the
         # `KVReceived` they complete (`src_ranks`, `dst_ranks`), not one
         # `NotificationReceived` each: that event says when they came, from which streams,
@@ -363,7 +381,7 @@ class DecodeCore(Machine[DecodeCommand]):
         e = self.entries.get(key)
         waiting = e is not None and e.mode == "push" and e.phase in ("awaiting_kv", "aborting")
         received: set[tuple[int, int]] = set()
-        fold = 0  # how many of the first pairs the `KVReceived` holds
+        folds = 0  # how many of the first pairs the `KVReceived` holds
         if e is not None and waiting:
             unexpected = [p for p in cmd.pairs if p not in e.expected]
             if unexpected:
@@ -372,12 +390,12 @@ class DecodeCore(Machine[DecodeCommand]):
             received = set(e.received)
             need = len(e.expected) - len(received)
             head = cmd.pairs[:need]
-            if need and len(set(head)) == need and received.isdisjoint(head):
-                fold = need
+            if fold and need and len(set(head)) == need and received.isdisjoint(head):
+                folds = need
         out: list[Event] = []
         for i, pair in enumerate(cmd.pairs):
             dup = not waiting or pair in received
-            if i >= fold:
+            if i >= folds:
                 out.append(NotificationReceived(
                     at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt,
                     src_rank=pair[0], dst_rank=pair[1], duplicate=dup))
@@ -385,11 +403,10 @@ class DecodeCore(Machine[DecodeCommand]):
                 continue
             received.add(pair)
             if len(received) == len(e.expected):
-                folded = cmd.pairs[:fold]
+                src_ranks, dst_ranks = _ranks(cmd.pairs[:folds])
                 out.append(KVReceived(at=now, instance=self.instance, request=cmd.request,
                                       attempt=cmd.attempt, num_tokens=e.num_tokens,
-                                      src_ranks=tuple(p[0] for p in folded),
-                                      dst_ranks=tuple(p[1] for p in folded)))
+                                      src_ranks=src_ranks, dst_ranks=dst_ranks))
                 if e.phase == "aborting":
                     out += self._free(now, key, "aborted; transfer drained")
         return out
@@ -469,8 +486,8 @@ class DecodeCore(Machine[DecodeCommand]):
             return []
         return [DecodeBlocksReserved(
             at=now, instance=self.instance, requests=tuple(a.request for a in allocations),
-            attempts=tuple(a.attempt for a in allocations),
-            counts=tuple(len(a.blocks) for a in allocations),
+            attempts=_interned(tuple(a.attempt for a in allocations)),
+            counts=_interned(tuple(len(a.blocks) for a in allocations)),
             blocks=tuple(chain.from_iterable(a.blocks for a in allocations)))]
 
     def _abort(self, cmd: Abort, now: float) -> list[Event]:
