@@ -5,7 +5,8 @@ Rules kept here:
   registration (`RegistrationSent`). It counts completion notifications, one per (producer rank,
   consumer rank) stream of the plan, and has the KV only when every expected one arrived.
   Duplicates are recorded and not counted; a notification from a stream that was never expected
-  is the peer misbehaving (`PeerError`).
+  is the peer misbehaving (`PeerError`). Notifications that come together and end the wait
+  (`NotifyMany`) are recorded in the `KVReceived` itself (its `src_ranks`, `dst_ranks`).
 - Pull: decode plans the READ itself (in its engine loop: the driver charges that time) once
   prefill's metadata is relayed, and has the KV when the READ completes. The metadata says when
   prefill's hold on the blocks expires (`src_expires_at`); a READ that would not end `read_margin`
@@ -31,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import chain
 from typing import Any, Literal
 
 from .blocks import join
@@ -39,6 +41,7 @@ from .errors import PeerError, ProtocolError
 from .events import (
     BlocksFreed,
     BlocksReserved,
+    DecodeBlocksReserved,
     Event,
     KVLoadFailed,
     KVReceived,
@@ -69,6 +72,20 @@ def _expected(layout: KVLayout, src_tp: int) -> frozenset[tuple[int, int]]:
     """The notifications a push from a producer of `src_tp` ranks sends: one per stream."""
     src = replace(layout, tp=src_tp)
     return frozenset((s.src_rank, s.dst_rank) for s in fan_out(src, layout))
+
+
+@lru_cache(maxsize=256)
+def _ranks(pairs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The src and dst ranks of (src_rank, dst_rank) pairs: one pair of tuples for every
+    push between the same layouts (a recorder packs a tuple it has seen once)."""
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+
+@lru_cache(maxsize=1024)
+def _interned(values: tuple[int, ...]) -> tuple[int, ...]:
+    """One tuple object for equal tuples (a macro-step's attempts, all 0, and block counts,
+    mostly all 1, repeat): a recorder packs a tuple it has seen once."""
+    return values
 
 
 # --- commands -----------------------------------------------------------------------------------
@@ -102,8 +119,10 @@ class Notify:
 @dataclass(frozen=True, slots=True)
 class NotifyMany:
     """A push's completion notifications arriving together (its streams ended at one
-    instant), one `Notify` per (src_rank, dst_rank) pair: the same events, in the same order,
-    as the `Notify`s one by one; a stream the wait does not expect refuses them all."""
+    instant), one `Notify` per (src_rank, dst_rank) pair: the state the `Notify`s one by one
+    leave, and their events, except that when its first pairs are the streams still awaited
+    (each once) they are recorded in the `KVReceived` they complete, not each as its own
+    `NotificationReceived`; a stream the wait does not expect refuses them all."""
 
     request: str
     attempt: int
@@ -137,8 +156,8 @@ class Allocate:
 @dataclass(frozen=True, slots=True)
 class AllocateMany:
     """Several requests' new blocks at one instant (a decode macro-step's output growth), one
-    `Allocate` per request: the same events, in the same order, as the `Allocate`s one by one;
-    a request appears once."""
+    `Allocate` per request: the state the `Allocate`s one by one leave, their events as one
+    `DecodeBlocksReserved` (a `BlocksReserved` for one request); a request appears once."""
 
     allocations: tuple[Allocate, ...]
 
@@ -343,36 +362,51 @@ class DecodeCore(Machine[DecodeCommand]):
         ]
 
     def _notify(self, cmd: Notify, now: float) -> list[Event]:
-        # one pair of `_notify_many` (late or stale, after the wait ended: a duplicate)
+        # one pair of `_notify_many` (late or stale, after the wait ended: a duplicate),
+        # recorded as its own `NotificationReceived` (a live connector's notifications come
+        # one by one, each from its own message)
         return self._notify_many(
-            NotifyMany(cmd.request, cmd.attempt, ((cmd.src_rank, cmd.dst_rank),)), now)
+            NotifyMany(cmd.request, cmd.attempt, ((cmd.src_rank, cmd.dst_rank),)), now,
+            fold=False)
 
-    def _notify_many(self, cmd: NotifyMany, now: float) -> list[Event]:
+    def _notify_many(self, cmd: NotifyMany, now: float, fold: bool = True) -> list[Event]:
         # `_notify` for each pair, against the state the earlier pairs' events leave: the
         # wait ends at the last expected stream (its KV is received; an aborted attempt's
-        # blocks are freed); every pair after it is a repeat, as `_notify` finds it
+        # blocks are freed); every pair after it is a repeat, as `_notify` finds it. A batch
+        # whose first pairs are the streams still awaited, each once, records them in the
+        # `KVReceived` they complete (`src_ranks`, `dst_ranks`), not one
+        # `NotificationReceived` each: that event says when they came, from which streams,
+        # and that none was a repeat.
         key = (cmd.request, cmd.attempt)
         e = self.entries.get(key)
         waiting = e is not None and e.mode == "push" and e.phase in ("awaiting_kv", "aborting")
         received: set[tuple[int, int]] = set()
+        folds = 0  # how many of the first pairs the `KVReceived` holds
         if e is not None and waiting:
             unexpected = [p for p in cmd.pairs if p not in e.expected]
             if unexpected:
                 raise PeerError(f"{cmd.request}: notification from stream {unexpected[0]}, "
                                 f"expected {sorted(e.expected)}")
             received = set(e.received)
+            need = len(e.expected) - len(received)
+            head = cmd.pairs[:need]
+            if fold and need and len(set(head)) == need and received.isdisjoint(head):
+                folds = need
         out: list[Event] = []
-        for pair in cmd.pairs:
+        for i, pair in enumerate(cmd.pairs):
             dup = not waiting or pair in received
-            out.append(NotificationReceived(
-                at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt,
-                src_rank=pair[0], dst_rank=pair[1], duplicate=dup))
+            if i >= folds:
+                out.append(NotificationReceived(
+                    at=now, instance=self.instance, request=cmd.request, attempt=cmd.attempt,
+                    src_rank=pair[0], dst_rank=pair[1], duplicate=dup))
             if dup or e is None:
                 continue
             received.add(pair)
             if len(received) == len(e.expected):
+                src_ranks, dst_ranks = _ranks(cmd.pairs[:folds])
                 out.append(KVReceived(at=now, instance=self.instance, request=cmd.request,
-                                      attempt=cmd.attempt, num_tokens=e.num_tokens))
+                                      attempt=cmd.attempt, num_tokens=e.num_tokens,
+                                      src_ranks=src_ranks, dst_ranks=dst_ranks))
                 if e.phase == "aborting":
                     out += self._free(now, key, "aborted; transfer drained")
         return out
@@ -431,22 +465,30 @@ class DecodeCore(Machine[DecodeCommand]):
 
     def _allocate_many(self, cmd: AllocateMany, now: float) -> list[Event]:
         # one request's events never change another's phase, so deciding them all against
-        # the state before any is applied equals deciding them one by one
+        # the state before any is applied equals deciding them one by one. Two or more
+        # requests' blocks are one `DecodeBlocksReserved` (their `BlocksReserved`, in order).
         allocations = cmd.allocations
         if len({a.request for a in allocations}) != len(allocations):
             raise ProtocolError(self.name, "", "AllocateMany", "a request appears twice")
-        out: list[Event] = []
-        ended, entries, instance = self.ended, self.entries, self.instance
-        for a in allocations:  # `phase` and `_allocate` of each, inline
+        ended, entries = self.ended, self.entries
+        for a in allocations:  # `phase` and `_allocate`'s check of each, inline
             key = (a.request, a.attempt)
             e = entries.get(key)
             phase = _E if key in ended else e.phase if e is not None else _A
             if phase not in _ALLOCATABLE:
                 raise ProtocolError(self.name, phase, "Allocate")
             ours(self.name, "Allocate", duplicates(a.blocks))
-            out.append(BlocksReserved(at=now, instance=instance, request=a.request,
-                                      attempt=a.attempt, blocks=a.blocks, purpose="decode"))
-        return out
+        if len(allocations) == 1:
+            a = allocations[0]
+            return [BlocksReserved(at=now, instance=self.instance, request=a.request,
+                                   attempt=a.attempt, blocks=a.blocks, purpose="decode")]
+        if not allocations:
+            return []
+        return [DecodeBlocksReserved(
+            at=now, instance=self.instance, requests=tuple(a.request for a in allocations),
+            attempts=_interned(tuple(a.attempt for a in allocations)),
+            counts=_interned(tuple(len(a.blocks) for a in allocations)),
+            blocks=tuple(chain.from_iterable(a.blocks for a in allocations)))]
 
     def _abort(self, cmd: Abort, now: float) -> list[Event]:
         key = (cmd.request, cmd.attempt)
@@ -491,18 +533,22 @@ class DecodeCore(Machine[DecodeCommand]):
         return events
 
     def _fold_reserved(self, events: list[Event]) -> None:
-        """`apply` of each of a macro-step's `BlocksReserved` (one instant, one per request),
-        with what is the same for all of them done once: the clocks and the pruning check."""
+        """`apply` of a macro-step's reservation (a `BlocksReserved`, or a
+        `DecodeBlocksReserved` of several requests), with what is the same for all of its
+        requests done once: the clocks and the pruning check."""
         if not events:
             return
-        at = events[0].at
+        (ev,) = events
+        at = ev.at
         self.clock = max(self.clock, at)
         if at - self._pruned_at >= self.forget_after:
             self._prune(at)
         self.leases.clock = max(self.leases.clock, at)
-        for ev in events:
-            assert type(ev) is BlocksReserved and ev.at == at
+        if type(ev) is BlocksReserved:
             self._on_reserved(ev, (ev.request or "", ev.attempt))
+        else:
+            assert type(ev) is DecodeBlocksReserved
+            self._on_grown(ev, ("", 0))
 
     # apply --------------------------------------------------------------------------------------
     def apply(self, ev: Event) -> DecodeCore:
@@ -529,6 +575,15 @@ class DecodeCore(Machine[DecodeCommand]):
         if ev.blocks:
             e.parts.append(ev.blocks)
 
+    def _on_grown(self, ev: DecodeBlocksReserved, key: Key) -> None:
+        ledger, entries = self.ledger, self.entries
+        for request, attempt, blocks in ev.parts():  # `_on_reserved` of each request's
+            ledger.reserve(request, attempt, blocks)
+            k = (request, attempt)
+            e = entries.get(k) or self._open(k, ev.at)
+            if blocks:
+                e.parts.append(blocks)
+
     def _on_freed(self, ev: BlocksFreed, key: Key) -> None:
         self.ledger.apply(ev)
         self._end(key)
@@ -553,6 +608,8 @@ class DecodeCore(Machine[DecodeCommand]):
 
     def _on_kv_end(self, ev: KVReceived | KVLoadFailed, key: Key) -> None:
         cur = self.entries.get(key)
+        if cur is not None and type(ev) is KVReceived and ev.src_ranks:
+            cur.received.update(ev.notified())  # the notifications folded into it
         if cur is not None and cur.phase == "awaiting_kv":
             cur.phase = "decoding"
 
@@ -583,6 +640,7 @@ class DecodeCore(Machine[DecodeCommand]):
 # how `apply` folds each event type that is not a lease's (others change nothing here)
 _FOLD: dict[type, Callable[[DecodeCore, Any, Key], None]] = {
     BlocksReserved: DecodeCore._on_reserved,
+    DecodeBlocksReserved: DecodeCore._on_grown,
     BlocksFreed: DecodeCore._on_freed,
     RegistrationSent: DecodeCore._on_registration,
     TransferPlanned: DecodeCore._on_planned,

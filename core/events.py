@@ -19,14 +19,17 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from .errors import SchemaError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # 2: RegistrationArrived.deadline, SessionStored.block_size
 # 3: RegistrationDropped.final, LeaseUnpinned.timed_out, ReuseDecided outcome "invalid"
+# 4: KVReceived.src_ranks / dst_ranks (the notifications that completed the wait, folded in),
+#    DecodeBlocksReserved (a decode macro-step's growth of several requests in one event)
 
 Blocks = tuple[int, ...]
 Direction = Literal["P->D", "D->P"]
@@ -95,6 +98,40 @@ class BlocksReserved(Event):
     attempt: int = 0
     blocks: Blocks
     purpose: Literal["prefill", "remote_kv", "reuse", "decode"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeBlocksReserved(Event):
+    """Several requests' new output blocks, reserved on one decode instance at one instant (a
+    decode macro-step's growth): the `BlocksReserved(purpose="decode")` of each, in one event
+    (`each`), so that a run records a row per macro-step, not per request and macro-step.
+    `requests[i]`, attempt `attempts[i]`, took `counts[i]` blocks: the next ones of `blocks`
+    (every request's new blocks, in the requests' order). `request` is None."""
+
+    requests: tuple[str, ...]
+    attempts: tuple[int, ...]
+    counts: tuple[int, ...]
+    blocks: Blocks
+
+    def parts(self) -> Iterator[tuple[str, int, Blocks]]:
+        """(request, attempt, its new blocks) of each request, in order; `SchemaError` if the
+        lists disagree (a damaged event)."""
+        n, counts = len(self.requests), self.counts
+        if len(self.attempts) != n or len(counts) != n or sum(counts) != len(
+                self.blocks) or min(counts, default=0) < 0:
+            raise SchemaError(f"DecodeBlocksReserved: {n} requests, {len(self.attempts)} "
+                              f"attempts, counts {list(counts)[:8]} for {len(self.blocks)} "
+                              "blocks")
+        start, blocks = 0, self.blocks
+        for request, attempt, count in zip(self.requests, self.attempts, counts, strict=True):
+            yield request, attempt, blocks[start:start + count]
+            start += count
+
+    def each(self) -> Iterator[BlocksReserved]:
+        """The `BlocksReserved` of each request, in order (`parts` as events)."""
+        for request, attempt, blocks in self.parts():
+            yield BlocksReserved(at=self.at, instance=self.instance, request=request,
+                                 attempt=attempt, blocks=blocks, purpose="decode")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +253,18 @@ class NotificationReceived(Event):
 class KVReceived(Event):
     attempt: int
     num_tokens: int
+    # A push: the completion notifications that arrived with this one and ended the wait, one
+    # per stream (`src_ranks[i]` -> `dst_ranks[i]`), each a `NotificationReceived` folded in
+    # (not a duplicate, at this time). Empty: each was recorded as its own event, or a pull.
+    src_ranks: tuple[int, ...] = ()
+    dst_ranks: tuple[int, ...] = ()
+
+    def notified(self) -> list[tuple[int, int]]:
+        """The (src_rank, dst_rank) streams folded in; `SchemaError` if the lists disagree."""
+        if len(self.src_ranks) != len(self.dst_ranks):
+            raise SchemaError(f"KVReceived: {len(self.src_ranks)} src_ranks for "
+                              f"{len(self.dst_ranks)} dst_ranks")
+        return list(zip(self.src_ranks, self.dst_ranks, strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -372,6 +421,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         RequestFinished,
         EngineStalled,
         BlocksReserved,
+        DecodeBlocksReserved,
         BlocksFreed,
         RegistrationSent,
         RegistrationArrived,
@@ -408,6 +458,22 @@ EVENT_TYPES: dict[str, type[Event]] = {
 }
 
 _COMMON = ("at", "instance", "request")
+
+
+def expand(events: Iterable[Event]) -> Iterator[Event]:
+    """The events with those folded into others as their own again, as schema 3 recorded
+    them: a `DecodeBlocksReserved` as its requests' `BlocksReserved`, a `KVReceived`'s
+    notifications as a `NotificationReceived` each, just before it (and it without them)."""
+    for e in events:
+        if isinstance(e, DecodeBlocksReserved):
+            yield from e.each()
+        elif isinstance(e, KVReceived) and e.src_ranks:
+            for src, dst in e.notified():
+                yield NotificationReceived(at=e.at, instance=e.instance, request=e.request,
+                                           attempt=e.attempt, src_rank=src, dst_rank=dst)
+            yield dataclasses.replace(e, src_ranks=(), dst_ranks=())
+        else:
+            yield e
 
 
 # --- encoding -------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ Rules kept here:
   that attempt does not own, is a violation (double allocation, double free).
 - Ownership is per attempt: a re-issued request's new attempt never owns its old attempt's
   blocks, so a late WRITE or free for the old attempt cannot pass as the new one's.
-- The ledger is folded from `BlocksReserved` / `BlocksFreed` events only, so the same code
-  checks a live run, a simulated run and a replayed log.
+- The ledger is folded from `BlocksReserved` / `BlocksFreed` events only (a
+  `DecodeBlocksReserved` is its requests' `BlocksReserved`), so the same code checks a live
+  run, a simulated run and a replayed log.
 """
 
 from __future__ import annotations
@@ -98,15 +99,20 @@ class Ledger:
             return [f"blocks {shown} freed for {who} but not owned by it (double free?)"]
         return []
 
+    def reserve(self, request: str, attempt: int, blocks: tuple[int, ...]) -> None:
+        """Fold one request's reservation (a `BlocksReserved`, or one part of a
+        `DecodeBlocksReserved`)."""
+        if self._owner is not None and self._attempt_of is not None:
+            # bulk dict updates: a 16k-token request reserves ~1,000 blocks
+            self._owner.update(dict.fromkeys(blocks, request))
+            self._attempt_of.update(dict.fromkeys(blocks, attempt))
+        self.chunks.setdefault(request, []).append((attempt, blocks))
+
     def apply(self, ev: BlocksReserved | BlocksFreed) -> None:
         req = ev.request
         assert req is not None
         if type(ev) is BlocksReserved:  # event types are final
-            if self._owner is not None and self._attempt_of is not None:
-                # bulk dict updates: a 16k-token request reserves ~1,000 blocks
-                self._owner.update(dict.fromkeys(ev.blocks, req))
-                self._attempt_of.update(dict.fromkeys(ev.blocks, ev.attempt))
-            self.chunks.setdefault(req, []).append((ev.attempt, ev.blocks))
+            self.reserve(req, ev.attempt, ev.blocks)
             return
         held = self._held(req)
         # repeats matter only to the per-block index (a block is popped once); a list the core

@@ -13,7 +13,8 @@ Invariants (each violation names the rule, the event and why):
   or a lease that ended while a read from it was still in flight (a D->P reuse read from
   decode's retained lease, or a pull READ from prefill's hold lease).
 - `transfer-outcome`: a transfer that ends twice, or ends without having been planned.
-- `early-receive`: KV declared received before every expected notification arrived.
+- `early-receive`: KV declared received before every expected notification arrived (those
+  folded into the `KVReceived` itself count).
 - `free-under-transfer`: blocks freed while a transfer may still move data in or out of them:
   on the instance that planned the transfer, its own side's blocks until it ends; for a push,
   decode's destination blocks until decode received the KV or prefill's WRITE ended.
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from .events import (
     BlocksFreed,
     BlocksReserved,
+    DecodeBlocksReserved,
     Event,
     KVReceived,
     LeaseExpired,
@@ -145,6 +147,12 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
         for m in state.ledger(ev.instance).check_reserve(ev):
             bad("double-allocation", m)
         state.ledger(ev.instance).apply(ev)
+    elif isinstance(ev, DecodeBlocksReserved):
+        ledger = state.ledger(ev.instance)
+        for one in ev.each():  # each request's reservation, as its own event would be
+            for m in ledger.check_reserve(one):
+                bad("double-allocation", m)
+            ledger.apply(one)
     elif isinstance(ev, BlocksFreed):
         for m in state.ledger(ev.instance).check_free(ev):
             bad("double-free", m)
@@ -286,6 +294,8 @@ def apply(state: ReplayState, ev: Event, index: int = 0) -> list[Violation]:
         if state.guards:
             state.unguard((req, ev.attempt, "P->D"), ev.instance)  # the data has landed
         k = (ev.instance, req, ev.attempt)
+        if ev.src_ranks:  # the notifications that ended the wait, folded into this event
+            state.notified.setdefault(k, set()).update(ev.notified())
         if k in state.expected:
             got = len(state.notified.get(k, ()))
             if got < state.expected[k]:

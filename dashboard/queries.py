@@ -21,8 +21,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Integer, String, and_, case, cast, func, select
+from sqlalchemy import Engine, Integer, String, and_, case, cast, func, or_, select
 
+from kvplane.core.events import DecodeBlocksReserved
+from kvplane.core.events import decode as decode_event
+from kvplane.core.events import encode as encode_event
 from kvplane.results import request_stmt
 from kvplane.store import (
     all_types,
@@ -323,7 +326,47 @@ def request_events(engine: Engine, run_id: str, requests: Sequence[str]) -> pd.D
     if lists:
         df["payload"] = [_with_lists(p, b) for p, b in zip(df["payload"], df.pop("lists"),
                                                            strict=True)]
+    grown = _decode_growth(engine, run_id, df, set(requests))
+    if not grown.empty:
+        df = pd.concat([df, grown], ignore_index=True)
     return df.sort_values("seq", kind="stable").reset_index(drop=True)
+
+
+def _decode_growth(engine: Engine, run_id: str, found: pd.DataFrame, requests: set[str]
+                   ) -> pd.DataFrame:
+    """The `requests`' shares of the run's `DecodeBlocksReserved` rows (a decode macro-step's
+    growth of several requests is one row, of no request): a `BlocksReserved` row each, with
+    the grouped row's seq, as a run recorded before event schema 4 held them. Read within the
+    time the requests' own rows (`found`) span, one range per request, overlaps merged."""
+    cols = ["seq", "time", "type", "request", "instance", "payload"]
+    if found.empty:
+        return pd.DataFrame(columns=cols)
+    spans: list[list[float]] = []
+    for lo, hi in sorted(found.groupby("request")["time"].agg(["min", "max"]).itertuples(
+            index=False)):
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    lists = [E.c.lists] if has_packed_lists(engine) else []
+    rows = _typed(engine, select(E.c.seq, E.c.time, E.c.instance, E.c.payload, *lists).where(
+        events_of(engine, run_id), E.c.type == "DecodeBlocksReserved", E.c.request.is_(None),
+        or_(*(E.c.time.between(lo, hi) for lo, hi in spans))))
+    out = []
+    for row in rows.to_dict("records"):
+        raw = row["payload"]
+        payload = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        if row.get("lists") is not None:
+            payload = merge_lists(payload, row["lists"])
+        grown = decode_event("DecodeBlocksReserved", payload, at=row["time"],
+                             instance=row["instance"], request=None)
+        assert isinstance(grown, DecodeBlocksReserved)
+        for one in grown.each():
+            if one.request in requests:
+                body = encode_event(one)[1]
+                out.append((row["seq"], row["time"], "BlocksReserved", one.request,
+                            row["instance"], json.dumps(body) if isinstance(raw, str) else body))
+    return pd.DataFrame.from_records(out, columns=cols) if out else pd.DataFrame(columns=cols)
 
 
 def _with_lists(payload: Any, lists: bytes | None) -> Any:
@@ -526,9 +569,10 @@ def block_bins(engine: Engine, run_id: str, width: float) -> pd.DataFrame:
     """KV blocks reserved minus freed per (instance, time bin): instance, bin, delta. Summed
     in SQL; the page accumulates the deltas into blocks in use."""
     n = _block_count(engine)
-    delta = case((E.c.type == "BlocksReserved", n), else_=-n)
+    delta = case((E.c.type == "BlocksFreed", -n), else_=n)
     return _typed(engine, select(E.c.instance, _bin(engine, width), func.sum(delta).label("delta"))
-                  .where(events_of(engine, run_id), E.c.type.in_(["BlocksReserved", "BlocksFreed"]))
+                  .where(events_of(engine, run_id), E.c.type.in_(
+                      ["BlocksReserved", "DecodeBlocksReserved", "BlocksFreed"]))
                   .group_by(E.c.instance, "bin"))
 
 

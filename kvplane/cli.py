@@ -516,7 +516,8 @@ def calibrate_live(
             if scenario:
                 sc = sc.points()[0].scenario
             result = fit_live(store, info.id, sc.model, sc.hardware, calibration_for(sc), name,
-                              sc.engine.block_size, sc.link, host_samples=samples.get(run))
+                              sc.engine.block_size, sc.link, host_samples=samples.get(run),
+                              graph_batch=sc.engine.cuda_graph_max_batch or 0)
         except (RunNotFound, ScenarioError, ValueError) as exc:
             _fail(str(exc))
         for line in describe(result):

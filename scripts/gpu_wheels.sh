@@ -1,13 +1,14 @@
 #!/bin/bash
 # Wheels for the GPU machine, in chunks small enough to travel one per command.
 #
-#   bash scripts/gpu_wheels.sh DEST [KV]   # DEST/p0..pN (<= 60 MiB each)
+#   bash scripts/gpu_wheels.sh DEST [KV]   # DEST/p0..pN (<= 45 MiB each)
 #
 # The GPU machine (an H200 with Python 3.12 and torch 2.11+cu130, no package registry) gets
 # everything as wheels: the pins in scripts/gpu_wheels.txt (vLLM 0.25.1, NIXL 1.5.1, what they
 # and kvplane need beyond the image) plus a wheel of kvplane built from this checkout. They go
-# into one tar, kvplane's wheel last, split into 60 MiB chunks: a change to kvplane only changes
-# the last chunk. With KV, kvplane's wheel is written there instead and the chunks hold only the
+# into one tar, kvplane's wheel last, split into 45 MiB chunks (a chunk and the working tree,
+# about 14 MiB, stay under the 64 MiB one device call carries): a change to kvplane only
+# changes the last chunk. With KV, kvplane's wheel is written there instead and the chunks hold only the
 # pinned wheels (the same bytes for every checkout). Downloads are cached in $KVPLANE_GPU_WHEELS (default /tmp/kvplane-gpu-wheels).
 # Two large parts nobody uses on Hopper are cut out of their wheels to save a chunk: vLLM's
 # FlashAttention 2 kernels (vLLM picks FlashAttention 3 on Hopper) and nixl-cu13's nixl_ep
@@ -49,6 +50,6 @@ if [ -n "$KVOUT" ]; then
 else
   (cd "$KV" && tar -rf all.tar kvplane-*.whl)
 fi
-split -b 60M -d -a 1 "$KV/all.tar" "$DEST/p"
+split -b 45M -d -a 1 "$KV/all.tar" "$DEST/p"
 rm -rf "$KV"
 ls -l "$DEST"/p?

@@ -140,11 +140,25 @@ class EngineSettings(_Config):
         "lifo = the front (vLLM 0.32: the next request reuses the last one's blocks, in reverse "
         "order), fifo = the back (earlier V1 releases). Sets how contiguous transfers are",
     )
+    cuda_graph_max_batch: int | None = Field(
+        default=None, ge=0,
+        description="largest decode-only batch vLLM replays from a captured CUDA graph. Null "
+        "(the default): vLLM's own choice, min(2 x max_num_seqs, 512) (vLLM 0.25); 0: eager "
+        "(--enforce-eager). Only a calibration with graph_step_overhead prices graph steps "
+        "apart",
+    )
     activation_reserve_bytes: float = Field(
         default=4.0e9, ge=0.0,
         description="per-device memory kept for activations, CUDA graphs and communication "
         "buffers (vLLM measures it in its profiling run) [B]",
     )
+
+    @property
+    def graph_batch(self) -> int:
+        """Largest decode-only batch replayed from a CUDA graph (0: eager)."""
+        if self.cuda_graph_max_batch is not None:
+            return self.cuda_graph_max_batch
+        return min(2 * self.max_num_seqs, 512)
 
     @model_validator(mode="after")
     def _budget(self) -> EngineSettings:

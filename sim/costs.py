@@ -221,7 +221,7 @@ class ComputeCost:
 
     def __init__(self, model: ModelProfile, hardware: HardwareProfile, tp: int | None = None,
                  block_size: int = 16, calibration: CalibrationProfile | None = None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, graph_batch: int = 0) -> None:
         if calibration is None:
             from .calibration import bundled_calibration
 
@@ -276,6 +276,14 @@ class ComputeCost:
         self._top_k = moe.experts_per_token.value if moe is not None else 0
         self.kv_bytes_per_token_per_rank = self.geometry.bytes_per_token_per_rank
         self.step_overhead = calibration.step_overhead.value
+        # decode-only batches up to graph_batch replay a CUDA graph: their own fixed part; any
+        # other step launches its kernels from the host, which takes at least launch_floor
+        graph = calibration.graph_step_overhead
+        self.graph_batch = graph_batch if graph is not None else 0
+        self.graph_overhead = graph.value if graph is not None else self.step_overhead
+        floor = calibration.launch_floor
+        self.launch_floor = (floor.value * model.num_layers.value if floor is not None
+                             else 0.0)
         self.prefill_request_overhead = calibration.prefill_request_overhead.value
         self._ar_latency = hardware.tp_collective.allreduce_latency.value
         self._ar_bandwidth = hardware.tp_collective.allreduce_bandwidth.value
@@ -339,8 +347,11 @@ class ComputeCost:
         attention_pairs_: float,
         kv_read_tokens: float,
         sampled: int,
+        graph: bool = False,
     ) -> float:
-        """One engine step: overhead + all-reduce + max(compute, memory), all scalars.
+        """One engine step: overhead + all-reduce + max(compute, memory), all scalars; a step
+        replayed from a CUDA graph (`graph`) has its own overhead, any other at least the
+        host's launch floor.
 
         tokens: tokens computed this step (prefill chunk tokens + one per decoding sequence);
         attention_pairs_: (query, key) pairs attended over; kv_read_tokens: cached tokens whose
@@ -353,7 +364,10 @@ class ComputeCost:
             self.weight_bytes_per_rank(tokens)
             + kv_read_tokens * self.kv_bytes_per_token_per_rank
         ) / self.bytes_per_second
-        return self.step_overhead + self.allreduce_time(tokens) + max(compute, memory)
+        if graph:
+            return self.graph_overhead + self.allreduce_time(tokens) + max(compute, memory)
+        return max(self.step_overhead + self.allreduce_time(tokens) + max(compute, memory),
+                   self.launch_floor)
 
     def _pairs(self, new_tokens: int, cached_tokens: int) -> float:
         """(query, key) pairs priced for a chunk: attention (capped by sparse attention's top-k)
@@ -407,6 +421,7 @@ class ComputeCost:
             attention_pairs_=pairs,
             kv_read_tokens=self._kv_read(float(context_tokens), batch_size),
             sampled=batch_size,
+            graph=batch_size <= self.graph_batch,
         )
 
     def decode_step_times(self, batch_size: int, context_tokens: int, steps: int) -> list[float]:
@@ -421,8 +436,13 @@ class ComputeCost:
                    + self.lm_head_flops * batch_size) / self.flops_per_second
         memory = (self.weight_bytes_per_rank(batch_size)
                   + ctx * self.kv_bytes_per_token_per_rank) / self.bytes_per_second
-        fixed = self.step_overhead + self.allreduce_time(batch_size)
-        out: list[float] = (fixed + np.maximum(compute, memory)).tolist()
+        graph = batch_size <= self.graph_batch
+        fixed = ((self.graph_overhead if graph else self.step_overhead)
+                 + self.allreduce_time(batch_size))
+        steps_s = fixed + np.maximum(compute, memory)
+        if not graph:
+            steps_s = np.maximum(steps_s, self.launch_floor)
+        out: list[float] = steps_s.tolist()
         return out
 
     def batch_step_time(
@@ -441,6 +461,7 @@ class ComputeCost:
         return self.step_time(
             tokens=tokens, attention_pairs_=pairs, kv_read_tokens=kv_read,
             sampled=len(prefills) + len(decode_contexts),
+            graph=not prefills and len(decode_contexts) <= self.graph_batch,
         )
 
 
@@ -675,14 +696,15 @@ class SimCosts:
         calibration: CalibrationProfile | None = None,
         staging: bool = False,
         ipc: IpcRoute | None = None,
+        graph_batch: int = 0,
     ) -> None:
         self.model = model
         self.hardware = hardware
         self.prefill = ComputeCost(model, hardware, prefill_tp, block_size, calibration,
-                                   expert_parallel)
+                                   expert_parallel, graph_batch)
         self.calibration = self.prefill.calibration
         self.decode = ComputeCost(model, hardware, decode_tp, block_size, self.calibration,
-                                  expert_parallel)
+                                  expert_parallel, graph_batch)
         self.transfer = TransferCost(hardware, link, self.calibration)
         self.staging = staging
         self.ipc = ipc
@@ -712,6 +734,7 @@ class SimCosts:
             gpu_memory_utilization=engine.gpu_memory_utilization,
             reserve_bytes=engine.activation_reserve_bytes,
             calibration=calibration_for(scenario),
+            graph_batch=engine.graph_batch,
             staging=scenario.connector.transfer_staging,
             ipc=(None if scenario.connector.transfer_ipc == "off"
                  else scenario.connector.transfer_ipc),
@@ -808,9 +831,10 @@ class SimCosts:
         return self.calibration.transfer_setup.value
 
     def empty_step_time(self) -> float:
-        """An engine step that schedules nothing (it still polls the connector): its fixed
-        part only."""
-        return self.decode.step_overhead
+        """An engine step that schedules nothing (it still polls the connector): the
+        calibration's measured `empty_step`, else a step's fixed part."""
+        empty = self.calibration.empty_step
+        return empty.value if empty is not None else self.decode.step_overhead
 
     def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]:
         """The calibration's host slowdown per hop kind, as quantiles (none: a dedicated

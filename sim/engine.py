@@ -293,6 +293,20 @@ class HashIndex:
             todo, pos, want = todo[go], (pos[go] + self._WINDOW) & mask, want[go]
         return out
 
+    def get_one(self, h: int) -> int:
+        """The block of one key, -1 where it is absent: its probe run walked slot by slot in
+        Python (a batch's array operations cost more than the one or two slots a key reads
+        at this load)."""
+        keys, vals, mask = self.keys, self.vals, len(self.keys) - 1
+        pos = ((h * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> (64 - self.bits)
+        while True:
+            v = int(vals[pos])
+            if v == self._EMPTY:
+                return -1
+            if v >= 0 and int(keys[pos]) == h:
+                return v
+            pos = (pos + 1) & mask
+
     def get(self, hs: np.ndarray) -> np.ndarray:
         """The block of each key, -1 where it is absent."""
         slots = self._find(hs)
@@ -348,6 +362,81 @@ class HashIndex:
             todo = todo[go]
             pos = np.where(has, aim + 1, pos + self._WINDOW)[go] & mask
         self.live += len(hs)
+
+    def add_absent(self, hs: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Insert those of `hs` that are absent (a key named twice: its first), each with its
+        block (`blocks` distinct), probing once: each key's probe run is walked as `_find`
+        walks it, noting the first free slot on the way (where `add` would put it). Returns
+        which keys were inserted (the map is then what `get` and `add` one key at a time, in
+        order, would have made)."""
+        size = len(self.keys)
+        if 4 * (self.live + len(hs)) > size:
+            raise ValueError(f"{self.live + len(hs)} keys: more than the table is made for")
+        if 2 * (self.live + self.removed + len(hs)) > size:
+            self._rebuild()  # before the probe: the slots found stay valid for the writes
+        idx = self._slots(hs)
+        keys, vals = self.keys, self.vals
+        v = vals[idx]
+        hit = (keys[idx] == hs) & (v >= 0)
+        free = v < 0
+        settled = hit | (v == self._EMPTY)
+        absent = ~hit
+        aim = idx  # the first free slot of each absent key's probe run (home when free)
+        if not settled.all():
+            # the rest scan on, `_WINDOW` slots a round: to their own live slot (present) or
+            # an empty one (absent); a key whose home held a live entry aims at the first
+            # free slot (removed or empty) the scan passes
+            aim = idx.copy()
+            todo = np.flatnonzero(~settled)
+            want_free = ~free[todo]  # no free slot seen yet
+            mask = size - 1
+            pos, want = (idx[todo] + 1) & mask, hs[todo]
+            ahead = np.arange(self._WINDOW)
+            while len(todo):
+                win = (pos[:, None] + ahead) & mask
+                w = vals[win]
+                h = (keys[win] == want[:, None]) & (w >= 0)
+                stop = h | (w == self._EMPTY)
+                rows = np.arange(len(todo))
+                first = stop.argmax(axis=1)
+                found = h[rows, first]
+                absent[todo[found]] = False
+                fr = w < 0
+                ff = fr.argmax(axis=1)
+                take = want_free & fr[rows, ff]  # a first free slot in this window
+                aim[todo[take]] = win[rows, ff][take]
+                want_free &= ~take
+                go = ~stop[rows, first]
+                todo, pos, want = todo[go], (pos[go] + self._WINDOW) & mask, want[go]
+                want_free = want_free[go]
+        new = np.flatnonzero(absent)
+        if not len(new):
+            return absent
+        slot = aim[new]
+        # of absent keys aiming at one slot, the first takes it: each key's number is written
+        # to its slot, the first's last, and the numbers that read back won
+        before = vals[slot]
+        marks = new.astype(np.int32)
+        vals[slot[::-1]] = marks[::-1]
+        won = vals[slot] == marks
+        if not won.all():
+            lost, new, slot, before = new[~won], new[won], slot[won], before[won]
+        self.removed -= int(np.count_nonzero(before == self._GONE))
+        keys[slot] = hs[new]
+        vals[slot] = blocks[new]
+        if self.slot_of is not None:
+            self.slot_of[blocks[new]] = slot
+        self.live += len(new)
+        if not won.all():
+            # the others (a key twice, or keys whose runs met at one free slot): one by
+            # one, in order, each inserted unless its key is in by now
+            for i in lost.tolist():
+                one = hs[i:i + 1]
+                if self.get_one(int(one[0])) >= 0:
+                    absent[i] = False
+                else:
+                    self.add(one, blocks[i:i + 1])
+        return absent
 
     def distinct(self, hs: np.ndarray) -> bool:
         """Whether no key appears twice in `hs`: distinct home slots prove it (each key's
@@ -898,8 +987,11 @@ class BlockPool:
                 ok = self.hashed[b] & (self.hash_of[b] == hs[:n])
                 k = n if ok.all() else int(np.argmin(ok))
                 parts.append(b[:k])
-        for lo, hi in ((k, min(k + 16, end)), (k + 16, end)):  # the first few, then the rest
-            if lo >= hi:
+        # the first unconfirmed hash alone (most prompts miss there: nothing more to ask),
+        # then the next few, then the rest
+        first_miss = k < end and self.block_of.get_one(int(hs[k])) < 0
+        for lo, hi in ((k, min(k + 16, end)), (k + 16, end)):
+            if lo >= hi or first_miss:
                 break
             part = self.block_of.get(hs[lo:hi]).astype(np.int64, copy=False)
             miss = np.flatnonzero(part < 0)
@@ -971,14 +1063,17 @@ class BlockPool:
             b = last[1][:k]
             held = (hs_all[:k] == last[0][:k]) & hashed[b] & (self.hash_of[b] == hs_all[:k])
             at = at[(at >= k) | ~held[np.minimum(at, k - 1)]]
+        self.version += 1
+        bs = arr[at]
+        if self._distinct(bs):  # the usual case: the absent ones in, probing once
+            hs = hs_all[at]
+            added = block_of.add_absent(hs, bs)
+            bs = bs[added]
+            hashed[bs] = True
+            self.hash_of[bs] = hs[added]
+            return
         at = at[block_of.get(hs_all[at]) < 0]
         hs, bs = hs_all[at], arr[at]
-        self.version += 1
-        if self._distinct(bs) and block_of.distinct(hs):
-            block_of.add(hs, bs)
-            hashed[bs] = True
-            self.hash_of[bs] = hs
-            return
         for h, b in zip(hs.tolist(), bs.tolist()):
             one = np.array([h], dtype=np.uint64)
             if block_of.get(one)[0] < 0 and not hashed[b]:
@@ -2018,6 +2113,7 @@ class Router:
 
         self._prefill_rank = rank
         self.affinity: dict[tuple[str, str], str] = {}
+        self._decode_parts: list[tuple[Any, ...]] | None = None  # see `pick_decode`
         self.last_finish: dict[tuple[str, str], float] = {}
 
     def arrive(self, r: SimRequest) -> None:
@@ -2053,8 +2149,24 @@ class Router:
 
     def pick_decode(self, r: SimRequest) -> str:
         aff = self.affinity.get((r.tenant, r.conversation or ""))
-        loads = [(len(d.running) + len(d.loading) + len(d.joining) + len(d.waiting),
-                  -d.pool.free, d.name) for d in self.sim.decodes.values()]
+        parts = self._decode_parts
+        if parts is None:
+            decodes = list(self.sim.decodes.values())
+            if all(d.pool.ring is None for d in decodes):
+                # the containers a decode's load counts (all but `running`, which a
+                # macro-step replaces) and its free queue's two parts: made once, read per
+                # request without a property call per instance (32 a request in a cluster)
+                parts = self._decode_parts = [
+                    (d, d.loading, d.joining, d.waiting, d.pool.queue.unhashed,
+                     d.pool.queue.lru, d.name) for d in decodes]
+            else:
+                parts = self._decode_parts = []
+        if parts:
+            loads = [(len(d.running) + len(lo) + len(jo) + len(wa), -(un.count + lru.count),
+                      name) for d, lo, jo, wa, un, lru, name in parts]
+        else:
+            loads = [(len(d.running) + len(d.loading) + len(d.joining) + len(d.waiting),
+                      -d.pool.free, d.name) for d in self.sim.decodes.values()]
         return choose_ranked(self.sim.cfg.decode_policy, loads, next(self.rr_d), aff)
 
     def relay_metadata(self, pf: PrefillInstance, r: SimRequest) -> None:

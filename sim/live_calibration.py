@@ -201,6 +201,39 @@ def decode_interference(store: EventStore, run_id: str) -> tuple[float, float] |
             statistics.median(x for n in both for x in by["busy"][n]))
 
 
+def prefill_slowdown(store: EventStore, run_id: str, reference: str) -> float | None:
+    """The median, over `run_id`'s one-step prefills, of each one's duration over the
+    `reference` run's median one-step prefill of that length (interpolated between the
+    reference's lengths, held at its shortest and longest): how much slower the same work ran
+    in this run. The reference is the calibration run, whose decode was mostly idle; a ratio
+    well above 1 means this run's prefills met something the twin does not price (a decode
+    sharing their GPU). None without prefills in either run."""
+    ref = sorted((int(n), statistics.median(ds)) for n, ds in
+                 _by_length(intervals(store, reference)).items())
+    got = intervals(store, run_id)
+    if not ref or not got.get("prefill_step"):
+        return None
+
+    def at(n: int) -> float:
+        if n <= ref[0][0]:
+            return ref[0][1]
+        for (n0, d0), (n1, d1) in zip(ref, ref[1:], strict=False):
+            if n <= n1:
+                return d0 + (d1 - d0) * (n - n0) / (n1 - n0)
+        return ref[-1][1]
+
+    return statistics.median(d / at(int(n)) for n, d in
+                             zip(got["prefill_tokens"], got["prefill_step"], strict=True))
+
+
+def _by_length(iv: Mapping[str, list[float]]) -> dict[int, list[float]]:
+    """A run's one-step prefill durations by computed tokens."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for n, d in zip(iv.get("prefill_tokens", []), iv.get("prefill_step", []), strict=True):
+        by[int(n)].append(d)
+    return dict(by)
+
+
 def interference_note(store: EventStore, run_id: str, ratio: float = 1.5) -> str | None:
     """A line for the user when the run's prefills were slowed by decoding (busy at least
     `ratio` x idle), else None."""
@@ -245,6 +278,35 @@ def _line(pts: list[tuple[float, float]]) -> tuple[float, float]:
     var = sum((x - mx) ** 2 for x, _ in pts)
     slope = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
     return my - slope * mx, slope
+
+
+FLOOR_ABOVE = 1.1  # a floor sits this far above the line at the shortest length, or is none
+
+
+FLAT = 0.1  # a line rising less than this share of its mean level over A's lengths is flat
+
+
+def _floor_line(pts: list[tuple[float, float]]) -> tuple[float | None, float, float]:
+    """(floor, intercept, slope): the least-squares fit of max(floor, line) to `pts` (x
+    ascending) where the shortest lengths sit level above the line through the rest (a step
+    outside CUDA graphs cannot be shorter than the host's launch of its kernels); floor None
+    and the plain line where no split fits better. Where the steps do not grow with their
+    work at all (the line rises less than FLAT of their level), every length is on the
+    floor: (their mean, 0, 0), no line."""
+    a, b = _line(pts)
+    level = statistics.fmean(y for _, y in pts)
+    if b * (pts[-1][0] - pts[0][0]) < FLAT * level:
+        return level, 0.0, 0.0
+    best = (sum((y - a - b * x) ** 2 for x, y in pts), None, a, b)
+    for k in range(1, len(pts) - 1):
+        floor = statistics.fmean(y for _, y in pts[:k])
+        a, b = _line(pts[k:])
+        if b <= 0 or floor < FLOOR_ABOVE * (a + b * pts[0][0]):  # clear of the line
+            continue
+        sse = sum((y - max(floor, a + b * x)) ** 2 for x, y in pts)
+        if sse < best[0]:
+            best = (sse, floor, a, b)
+    return best[1], best[2], best[3]
 
 
 # the host's state a hop's slowdown is conditioned on (chosen on the sessions of 15:59-17:24,
@@ -295,12 +357,16 @@ def _by_state(xf: list[tuple[float, float]], edges: list[float]) -> list[list[fl
 def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: HardwareProfile,
              prior: CalibrationProfile, name: str | None = None, block_size: int = 16,
              link: Literal["network", "nvlink"] = "network",
-             host_samples: Sequence[Sequence[float]] | None = None) -> LiveFit:
+             host_samples: Sequence[Sequence[float]] | None = None,
+             graph_batch: int = 0) -> LiveFit:
     """Fit the stack's constants of (model kind, hardware) from a recorded live run.
 
     `host_samples` (`[time, run queue, ...]`; default: the run's `meta.host_samples`) is the
     host's state during the run: with enough of them the slowdown is also split by the run
     queue when each hop began (`host_state`, `HostSlowdown.by_state`).
+    `graph_batch` (the scenario's `engine.graph_batch`; 0: eager, the default) > 0: the engine
+    replayed decode-only steps from CUDA graphs, so their fixed part is fitted apart
+    (`graph_step_overhead`, from the decode tokens) from that of a step with a prefill chunk.
     Raises ValueError naming what the run lacks (no pull-mode request, no transfer, ...).
     """
     iv = intervals(store, run_id)
@@ -312,20 +378,21 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                              "decode; MetadataRelayed; a P->D TransferPlanned/Completed)")
     # the arithmetic, priced with the prior's efficiencies and no step overhead
     bare = prior.model_copy(update={"step_overhead": prior.step_overhead.model_copy(
-        update={"value": 0.0})})
+        update={"value": 0.0}), "graph_step_overhead": None, "launch_floor": None,
+        "empty_step": None})
     compute = ComputeCost(model, hardware, None, block_size, bare)
     ctx = statistics.median(iv["kv_context"])
     # prefill step = overhead + FLOPs / (peak x mfu): the lower quintile of each prompt
     # length's one-step prefills, one line (least squares); its intercept is an engine step's
     # fixed part. (A loaded API server coalesces the stream, so the router's time per output
     # token can fall below a step: it only serves when the line has no positive intercept.)
-    by_len: dict[int, list[float]] = defaultdict(list)
-    for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True):
-        by_len[int(n)].append(d)
     pts = [(compute.flops(n, n * (n + 1) / 2.0, 1), _q(ds, QUIET))
-           for n, ds in sorted(by_len.items())]
+           for n, ds in sorted(_by_length(iv).items())]
     per_token = iv.get("decode_token") or iv["tpot"]
-    overhead, slope = _line(pts)
+    # with CUDA graphs the shortest prefills can sit on a floor: the host launching a forward
+    # outside the graphs, which short chunks' GPU work does not cover
+    floor, overhead, slope = _floor_line(pts) if graph_batch > 0 else (None, *_line(pts))
+    flat = floor is not None and slope == 0.0  # every length on the floor: no line to read
     overhead_from = "prefill_step"
     if slope <= 0 or overhead <= 0:  # no line: the decode time per token, one slope through it
         overhead = max(_q(per_token, QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
@@ -333,6 +400,8 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         slope = (sum(f * max(y - overhead, 0.0) for f, y in pts) / sum(f * f for f, _ in pts))
     peak = compute.flops_per_second / prior.compute_utilization.value
     mfu = min(max(1.0 / (slope * peak), 1e-6), 1.0) if slope > 0 else 1.0
+    if flat:  # the prefills measured the host, not the GPU's arithmetic: the prior's stays
+        mfu = prior.compute_utilization.value
     # a transfer = set-up + the bytes' time on the scenario's link + a cost per descriptor: a
     # line through the lower quintiles (per prompt length) of what the bytes leave, against
     # the descriptors; the bytes' rate is the link's (profile), the rest is this path's own
@@ -351,11 +420,44 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         per_desc = max(sum(n * r for n, r in tpts) / max(sum(n * n for n, _ in tpts), 1e-30),
                        0.0)
     leg, resp = max(_q(iv["request_leg"], QUIET), 0.0), max(_q(iv["response_leg"], QUIET), 0.0)
+    # a decode-only step replayed from a CUDA graph launches no kernel from the host: its fixed
+    # part is what the lower quintile of A's time per output token (batch 1) leaves over the
+    # step's priced arithmetic, not the prefill line's intercept
+    graph = (max(_q(per_token, QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
+             if graph_batch > 0 else None)
+    graph_fit = empty_fit = None
+    if graph is not None:
+        graph_fit = _fitted(
+            graph, "s", run_id, ["decode_token"],
+            f"lower quintile of {len(per_token)} requests' time per output token after the "
+            "first less a batch-1 decode step's priced arithmetic (decode steps replayed from "
+            f"CUDA graphs, batches up to {graph_batch})")
+        # from a P->D transfer's end to the first token: the step that reports the finished
+        # receive (nothing to compute), the request's first step, the response leg
+        empty = max(_q(iv["kv_to_first_token"], QUIET) - _q(per_token, QUIET) - resp, 0.0)
+        empty_fit = _fitted(
+            empty, "s", run_id, ["kv_to_first_token", "decode_token", "response_leg"],
+            f"lower quintile of {len(iv['kv_to_first_token'])} P->D transfers' end to first "
+            "token, less the lower quintiles of a decode step and of the response leg")
+    floor_fit = None if floor is None else _fitted(
+        floor / model.num_layers.value, "s/layer", run_id, ["prefill_step"],
+        f"mean of the lower quintiles of {len(pts)} prompt lengths' one-step prefills, which "
+        "do not grow with their work, over the model's layers" if flat else
+        "mean of the lower quintiles of the shortest prompt lengths' one-step prefills, which "
+        f"sit level, at least {FLOOR_ABOVE - 1:.0%} above the line through the longer ones, "
+        "over the model's layers")
+    # what the twin counts before a received request's first step: an empty step
+    decode_fixed = overhead if graph is None else empty
+    # ... and the fixed part a decode step itself holds once more (eager: the line's)
+    step_fixed = overhead if graph is None else 0.0
     # how much the host slowed every hop: measured over priced, pooled
     fitted_compute = prior.model_copy(update={
         "step_overhead": prior.step_overhead.model_copy(update={"value": overhead}),
-        "compute_utilization": prior.compute_utilization.model_copy(update={"value": mfu})})
-    priced = ComputeCost(model, hardware, None, block_size, fitted_compute)
+        "compute_utilization": prior.compute_utilization.model_copy(update={"value": mfu}),
+        "graph_step_overhead": graph_fit, "empty_step": empty_fit,
+        "launch_floor": floor_fit})
+    priced = ComputeCost(model, hardware, None, block_size, fitted_compute,
+                         graph_batch=graph_batch)
     pairs: dict[str, list[tuple[float, float]]] = {
         "request_leg": [(x, leg) for x in iv["request_leg"]],
         "response_leg": [(x, resp) for x in iv["response_leg"]],
@@ -364,9 +466,9 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                                         iv["p2d_descriptors"], strict=True)],
         "prefill_step": [(d, priced.prefill_time(int(n)))
                          for n, d in zip(iv["prefill_tokens"], iv["prefill_step"], strict=True)],
-        "first_token": [(d, overhead + priced.decode_step_time(1, int(c)) + resp)
+        "first_token": [(d, decode_fixed + priced.decode_step_time(1, int(c)) + resp)
                         for d, c in zip(iv["kv_to_first_token"], iv["kv_context"], strict=True)],
-        "decode_step": [(d, overhead + priced.decode_step_time(1, int(c)))
+        "decode_step": [(d, step_fixed + priced.decode_step_time(1, int(c)))
                         for d, c in zip(iv.get("decode_token", []), iv.get("decode_context", []),
                                         strict=True)],
     }
@@ -418,17 +520,21 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
             if overhead_from == "prefill_step" else
             f"lower quintile of {len(per_token)} requests' time per output token after the "
             "first less a batch-1 step's priced arithmetic")),
-        "compute_utilization": _fitted(mfu, "fraction", run_id, ["prefill_step"],
-                                       f"slope of a line (least squares) through the lower "
-                                       f"quintiles of {len(pts)} prompt lengths' one-step "
-                                       "prefills against their FLOPs"),
+        "compute_utilization": prior.compute_utilization if flat else _fitted(
+            mfu, "fraction", run_id, ["prefill_step"],
+            f"slope of a line (least squares) through the lower quintiles of {len(pts)} prompt "
+            "lengths' one-step prefills against their FLOPs"),
+        "graph_step_overhead": graph_fit,
+        "empty_step": empty_fit,
+        "launch_floor": floor_fit,
         # the recorded legs are this run's whole per-request delay
         "prefill_request_overhead": Fitted(value=0.0, unit="s", source=(
             f"derived: kvplane calibrate live {run_id}: the recorded legs replace it")),
         "host_slowdown": slowdown,
         "host_state": state,
     }
-    kept = ["memory_bandwidth_utilization", "network_utilization", "reuse_read_setup"]
+    kept = ["memory_bandwidth_utilization", "network_utilization", "reuse_read_setup",
+            *(["compute_utilization"] if flat else [])]
     cal = prior.model_copy(update={
         **upd, "name": name or f"{prior.name}-live",
         "description": f"fitted by kvplane calibrate live to run {run_id} ({n} requests)"})
@@ -445,8 +551,11 @@ def describe(fit: LiveFit) -> list[str]:
         lines.append(f"  {k:<20} {v * 1e3:9.2f}")
     lines.append("constants:")
     for k in ("request_leg", "response_leg", "transfer_setup", "transfer_per_descriptor",
-              "step_overhead", "compute_utilization"):
+              "step_overhead", "compute_utilization", "graph_step_overhead", "launch_floor",
+              "empty_step"):
         c = getattr(fit.calibration, k)
+        if c is None:
+            continue
         lines.append(f"  {k:<20} {c.value:.6g} {c.unit or ''}  ({c.source})")
     for kind, hs in fit.calibration.host_slowdown.items():
         q = hs.quantiles

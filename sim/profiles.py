@@ -626,6 +626,22 @@ class CalibrationProfile(_Profile):
         "the link's post_per_descriptor + wire_per_descriptor (the hardware profile's figure "
         "comes from another path: a copy inside one GPU costs less per descriptor than one "
         "between two)")
+    graph_step_overhead: Fitted | None = Field(
+        default=None, description="fixed time of a decode-only step that vLLM replays from a "
+        "captured CUDA graph (batches up to the engine's `cuda_graph_max_batch`), measured from "
+        "a live run; unset, every step costs step_overhead. A step with a prefill chunk runs "
+        "outside the graphs and launches its kernels one by one from the host, so its fixed "
+        "part (step_overhead) can be many times larger")
+    launch_floor: Fitted | None = Field(
+        default=None, description="least time per layer of an engine step that runs outside "
+        "CUDA graphs (any step with a prefill chunk): the host launching the forward's kernels "
+        "one by one, which the GPU's work overlaps, so such a step takes the larger of this "
+        "times the model's layers and its priced time. Per layer, so that it carries to "
+        "another model of the same kind. Measured from a live run; unset, no floor")
+    empty_step: Fitted | None = Field(
+        default=None, description="an engine step that computes nothing (the scheduler and the "
+        "connector's poll): what a request waits between its KV transfer's end and the step "
+        "that schedules it, measured from a live run; unset, a decode-only step's fixed part")
     host_slowdown: dict[HopKind, HostSlowdown] = Field(
         default_factory=dict, description="per-hop slowdown of a shared host, by hop kind "
         "(empty: a dedicated host)")

@@ -12,6 +12,13 @@ from kvplane.core import decode as dc
 from kvplane.core import machine
 from kvplane.core import prefill as pf
 from kvplane.core.errors import ProtocolError
+from kvplane.core.events import (
+    BlocksReserved,
+    DecodeBlocksReserved,
+    Event,
+    KVReceived,
+    expand,
+)
 
 
 def test_decide_is_pure_and_apply_folds() -> None:
@@ -27,23 +34,33 @@ def test_decide_is_pure_and_apply_folds() -> None:
 
 
 def test_a_batch_of_allocations_makes_the_events_one_by_one_would() -> None:
-    """A decode macro-step's growth as one `AllocateMany`: the same events and state as the
-    `Allocate`s handled in turn; a request twice, or one that ended, is refused."""
+    """A decode macro-step's growth as one `AllocateMany`: one `DecodeBlocksReserved` holding
+    the events of the `Allocate`s handled in turn, and their state (one request: its
+    `BlocksReserved`); a request twice, or one that ended, is refused."""
     allocs = [dc.Allocate("a", 0, (1, 2)), dc.Allocate("b", 1, (7,)), dc.Allocate("a2", 0, (3,))]
     one, many = dc.DecodeCore("D", layout()), dc.DecodeCore("D", layout())
     for d in (one, many):
         d.handle(dc.Allocate("b", 1, (5, 6)), 0.5)
     seq = [e for a in allocs for e in one.handle(a, 1.0)]
-    assert many.handle(dc.AllocateMany(tuple(allocs)), 1.0) == seq
+    (grown,) = many.handle(dc.AllocateMany(tuple(allocs)), 1.0)
+    assert isinstance(grown, DecodeBlocksReserved) and grown.request is None
+    assert list(grown.each()) == seq
     assert state_of(many) == state_of(one)
-    # `handle` folds a batch's events at once: the state a replay of them (`apply`) makes
-    replayed = dc.DecodeCore("D", layout())
-    replayed.handle(dc.Allocate("b", 1, (5, 6)), 0.5)
-    for e in seq:
-        replayed.apply(e)
-    assert state_of(replayed) == state_of(many)
-    assert (replayed.clock, replayed.leases.clock) == (many.clock, many.leases.clock) == (1.0, 1.0)
+    # `handle` folds a batch's event at once: the state a replay of it (`apply`) makes, and
+    # the state a replay of the one-by-one events makes
+    for events in ([grown], seq):
+        replayed = dc.DecodeCore("D", layout())
+        replayed.handle(dc.Allocate("b", 1, (5, 6)), 0.5)
+        for e in events:
+            replayed.apply(e)
+        assert state_of(replayed) == state_of(many)
+        assert (replayed.clock, replayed.leases.clock) == (many.clock, many.leases.clock) == (
+            1.0, 1.0)
     assert many.ledger.blocks_of("b") == (5, 6, 7)
+    single = dc.DecodeCore("D", layout())
+    assert single.handle(dc.AllocateMany((dc.Allocate("c", 0, (9,)),)), 1.0) == [
+        BlocksReserved(at=1.0, instance="D", request="c", blocks=(9,), purpose="decode")]
+    assert single.handle(dc.AllocateMany(()), 1.0) == []
     with pytest.raises(ProtocolError, match="appears twice"):
         many.decide(dc.AllocateMany((dc.Allocate("c", 0, (9,)), dc.Allocate("c", 0, (8,)))), 2.0)
     many.handle(dc.Finish("a2", 0), 2.0)
@@ -54,10 +71,11 @@ def test_a_batch_of_allocations_makes_the_events_one_by_one_would() -> None:
 
 
 def test_a_batch_of_notifications_makes_the_events_one_by_one_would() -> None:
-    """A push's completion notifications as one `NotifyMany`: the same events and state as the
-    `Notify`s handled in turn: all streams, a repeat, a late one after the KV is in, an
-    aborted wait (its blocks freed at the last stream), a wait that already ended; a stream
-    the wait does not expect refuses the batch and changes nothing."""
+    """A push's completion notifications as one `NotifyMany`: the same events (once the
+    notifications folded into a `KVReceived` are unfolded) and state as the `Notify`s handled
+    in turn: all streams, a repeat, a late one after the KV is in, an aborted wait (its
+    blocks freed at the last stream), a wait that already ended; a stream the wait does not
+    expect refuses the batch and changes nothing."""
     from kvplane.core.errors import PeerError
 
     src = layout(tp=4)
@@ -80,8 +98,17 @@ def test_a_batch_of_notifications_makes_the_events_one_by_one_would() -> None:
     for abort, pairs in cases:
         one, many = waiting(abort), waiting(abort)
         seq = [e for a, b in pairs for e in one.handle(dc.Notify("r", 0, a, b), 1.0)]
-        assert many.handle(dc.NotifyMany("r", 0, tuple(pairs)), 1.0) == seq
+        got = many.handle(dc.NotifyMany("r", 0, tuple(pairs)), 1.0)
+        assert unfold(got) == unfold(seq)
         assert state_of(many) == state_of(one)
+        # the events a run records, applied to a fresh core, make the state again
+        replayed = waiting(abort)
+        for e in got:
+            replayed.apply(e)
+        assert state_of(replayed) == state_of(many)
+    # all streams at once: no `NotificationReceived`, the `KVReceived` names them
+    (kv,) = waiting().handle(dc.NotifyMany("r", 0, tuple(streams)), 1.0)
+    assert isinstance(kv, KVReceived) and kv.notified() == streams
     done = waiting()
     done.handle(dc.NotifyMany("r", 0, tuple(streams)), 1.0)
     again = copy.deepcopy(done)
@@ -93,6 +120,11 @@ def test_a_batch_of_notifications_makes_the_events_one_by_one_would() -> None:
     with pytest.raises(PeerError, match="not|expected"):
         fresh.handle(dc.NotifyMany("r", 0, (streams[0], (9, 9))), 1.0)
     assert state_of(fresh) == before
+
+
+def unfold(events: list[Event]) -> list[Event]:
+    """`events` with each notification folded into a `KVReceived` as its own event again."""
+    return list(expand(events))
 
 
 def test_missing_transition_names_state_and_input() -> None:

@@ -10,6 +10,7 @@ from kvplane_core_harness import Pair, layout
 from kvplane.core.events import (
     BlocksFreed,
     BlocksReserved,
+    DecodeBlocksReserved,
     Event,
     KVReceived,
     LeaseExpired,
@@ -210,6 +211,37 @@ def test_kv_received_early() -> None:
                                dst_rank=0, duplicate=True)
     log = [dup if isinstance(e, NotificationReceived) else e for e in CLEAN]
     assert rules(log) == ["early-receive"]
+    # a notification folded into the `KVReceived` counts; a stream named twice counts once
+    def kv(streams: list[tuple[int, int]], expected: int) -> list[Event]:
+        sent = RegistrationSent(at=0.1, instance="D", request="r1", attempt=0, prefill="P",
+                                dst_blocks=(7, 8), num_tokens=20, src_tp=2,
+                                expected_notifications=expected, deadline=30.0)
+        got = KVReceived(at=0.6, instance="D", request="r1", attempt=0, num_tokens=20,
+                         src_ranks=tuple(s for s, _ in streams),
+                         dst_ranks=tuple(d for _, d in streams))
+        return [sent if isinstance(e, RegistrationSent) else got if isinstance(e, KVReceived)
+                else e for e in CLEAN if not isinstance(e, NotificationReceived)]
+    assert rules(kv([(0, 0), (1, 0)], 2), final=True) == []
+    assert rules(kv([(0, 0)], 2)) == ["early-receive"]
+    assert rules(kv([(0, 0), (0, 0)], 2)) == ["early-receive"]
+    one = NotificationReceived(at=0.5, instance="D", request="r1", attempt=0, src_rank=1,
+                               dst_rank=0)
+    log = kv([(0, 0)], 2)
+    assert rules([*log[:4], one, *log[4:]], final=True) == []
+
+
+def test_a_decode_macro_steps_reservations_are_its_requests() -> None:
+    """A `DecodeBlocksReserved` is checked and folded as each request's `BlocksReserved`."""
+    grown = DecodeBlocksReserved(at=1.0, instance="D", requests=("r1", "r2"), attempts=(0, 1),
+                                 counts=(2, 1), blocks=(3, 4, 5))
+    assert rules([grown, freed("D", "r1", (3, 4)), freed("D", "r2", (5,), attempt=1)],
+                 final=True) == []
+    assert rules([grown, freed("D", "r1", (3, 4, 5))]) == ["double-free"]
+    assert rules([reserved("D", "r0", (4,)), grown]) == ["double-allocation"]
+    twice = DecodeBlocksReserved(at=1.0, instance="D", requests=("r1", "r2"), attempts=(0, 0),
+                                 counts=(1, 1), blocks=(3, 3))
+    assert rules([twice]) == ["double-allocation"]
+    assert rules([grown], final=True) == ["leak"]
 
 
 def test_leak_and_unfinished_transfer_only_when_final() -> None:

@@ -3,6 +3,7 @@ real PostgreSQL server: the same runs give the same figures on both backends."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -245,3 +246,49 @@ def test_reads_of_some_requests_probe_the_covering_index(tmp_path):
     for plan in plans:
         assert "SEARCH events USING" in plan and "ix_events_run_type_cover (run=? AND type=? " \
             "AND request=?)" in plan, plan
+
+
+def test_a_run_of_folded_events_reads_as_its_unfolded_events(tmp_path):
+    """A decode macro-step's growth of several requests (one `DecodeBlocksReserved`, of no
+    request) and notifications folded into a `KVReceived`: the block figure and a page of
+    requests' events read the same as from the same run recorded one event each."""
+    from kvplane.core.events import (
+        BlocksFreed,
+        BlocksReserved,
+        DecodeBlocksReserved,
+        KVReceived,
+        expand,
+    )
+
+    folded = [
+        BlocksReserved(at=0.5, instance="d0", request="a", blocks=(1, 2), purpose="remote_kv"),
+        KVReceived(at=0.8, instance="d0", request="a", attempt=0, num_tokens=32,
+                   src_ranks=(0, 1), dst_ranks=(0, 0)),
+        DecodeBlocksReserved(at=1.0, instance="d0", requests=("a", "b", "c"),
+                             attempts=(0, 2, 0), counts=(2, 1, 0), blocks=(9, 8, 7)),
+        BlocksFreed(at=2.0, instance="d0", request="a", blocks=(1, 2, 9, 8), reason="done"),
+        # a request's growth lies within its own events' span (reserved ... freed)
+        DecodeBlocksReserved(at=9.0, instance="d0", requests=("b", "c"), attempts=(2, 0),
+                             counts=(1, 1), blocks=(5, 4)),
+        BlocksFreed(at=9.5, instance="d0", request="c", blocks=(4,), reason="done"),
+    ]
+    folded.insert(0, BlocksReserved(at=0.1, instance="d0", request="c", blocks=(),
+                                    purpose="remote_kv"))
+    runs = {}
+    with open_store(f"sqlite:///{tmp_path / 'folded.db'}") as store:
+        for name, events in (("folded", folded), ("unfolded", list(expand(folded)))):
+            runs[name] = store.create_run("sim", name)
+            store.append(runs[name], events)
+        bins = {n: q.block_bins(store.engine, r, 1.0) for n, r in runs.items()}
+        pages = {n: q.request_events(store.engine, r, ["a", "c"]) for n, r in runs.items()}
+    assert len(bins["folded"]) and bins["folded"].equals(bins["unfolded"])
+    a, b = pages["folded"], pages["unfolded"]
+    grown = a[a["type"] == "BlocksReserved"]
+    assert list(zip(grown["request"], grown["time"], strict=True)) == [
+        ("c", 0.1), ("a", 0.5), ("a", 1.0), ("c", 1.0), ("c", 9.0)]
+    assert [(p if isinstance(p, dict) else json.loads(p))["blocks"]
+            for p in grown["payload"]] == [[], [1, 2], [9, 8], [], [4]]
+    same = a[a["type"] != "KVReceived"][["time", "type", "request", "instance"]]
+    want = b[~b["type"].isin(["KVReceived", "NotificationReceived"])][
+        ["time", "type", "request", "instance"]]
+    assert same.reset_index(drop=True).equals(want.reset_index(drop=True))

@@ -4,13 +4,14 @@ The GPU counterpart of tests/live/test_live_prediction.py, on a dedicated H200 i
 shared 2-core CPU machine, with a model of a size users serve:
 
 1. a Llama-3.1-8B-shaped model (KVPLANE_GPU_MODEL=dense8b, the default; `dense14b`: a
-   Qwen2.5-14B-shaped one, tests/gpu/gpu_prediction_dense14b.yaml) with random weights (`--load-format dummy`: the matmuls and the
-   KV bytes of the real model; the vocabulary is the test tokenizer's 1,024, so nothing is
-   downloaded), one prefill and one decode vLLM server (CUDA, bfloat16, block size 16, prefix
-   caching off; vLLM's default compilation and CUDA graphs, as users run it, or eager with
-   KVPLANE_GPU_EAGER=1, as sessions 1-3 ran), both on the one GPU the machine lends,
-   KvplaneConnector over NIXL,
-   `kvplane router` in bidirectional mode;
+   Qwen2.5-14B-shaped one, tests/gpu/gpu_prediction_dense14b.yaml; `dense3b`: Llama-3.2-3B;
+   `qwen3_8b`: Qwen3-8B; `moe30b`: Qwen3-30B-A3B, a mixture of experts) with random weights
+   (`--load-format dummy`: the matmuls and the KV bytes of the real model; the vocabulary is
+   the test tokenizer's 1,024, so nothing is downloaded), one prefill and one decode vLLM
+   server (CUDA, bfloat16, block size 16, prefix caching off; vLLM's default compilation and
+   CUDA graphs, as users run it, or eager with KVPLANE_GPU_EAGER=1, as sessions 1-3 ran), both
+   on the one GPU the machine lends, KvplaneConnector over NIXL, `kvplane router` in
+   bidirectional mode;
 2. workloads A (192 single pull requests, prompts 512-3,072 tokens, 16 output tokens, one every
    0.5 s), B (48 conversations of 4 turns, prompts 1,024-2,632 tokens, turns 2-4 reading
    decode's retained KV, 24 output tokens, a conversation every 2 s) and C (192 single
@@ -73,6 +74,18 @@ MODELS: dict[str, tuple[str, dict[str, object]]] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
         "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
         "num_key_value_heads": 8, "head_dim": 128}),
+    "qwen3_8b": ("gpu_prediction_qwen3_8b.yaml", {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "attention_bias": False,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}),
+    "moe30b": ("gpu_prediction_moe30b.yaml", {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}),
 }
 MODEL = os.environ.get("KVPLANE_GPU_MODEL", "dense8b")
 SCENARIO = Path(__file__).with_name(MODELS[MODEL][0])
@@ -166,6 +179,11 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     from kvplane.store import open_store
 
     scenario = load_scenario(SCENARIO)
+    # what the engines ran: decode batches up to 2 x max_num_seqs replayed from CUDA graphs
+    # (vLLM 0.25.1's capture sizes), or none (eager); kept with the runs, read by the fit
+    graphs = 0 if EAGER else min(2 * scenario.engine.max_num_seqs, 512)
+    scenario = scenario.model_copy(update={"engine": scenario.engine.model_copy(
+        update={"cuda_graph_max_batch": graphs})})
     model = model_dir(_servers.log_dir("gpu-prediction-model"))
     t0 = time.monotonic()
     cluster = lw.start("gpu-prediction", model=model, server=GpuServer)
@@ -191,7 +209,7 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     with open_store(runs) as store:  # fitted from A alone
         fit = fit_live(store, "A", scenario.model, scenario.hardware,
                        calibration_for(scenario), block_size=scenario.engine.block_size,
-                       link=scenario.link)
+                       link=scenario.link, graph_batch=graphs)
     predicted = apply_calibration(scenario, fit.calibration)
     with open_store(runs) as store:
         own = predict(store, "A", predicted, SEEDS)
@@ -225,24 +243,26 @@ def test_gpu_calibrated_on_one_live_run_predicts_another() -> None:
     if SHARED_GPU and any(v != "pass" for (w, _), v in verdicts.items() if w == "C"):
         # C's bursts keep decode busy while prefills run; on one shared GPU that slows them,
         # which the twin (a device per engine) does not price: a miss, if that is its cause
-        idle, busy = shared_gpu_slowdown(runs, "C")
-        why = (f"C misses and its prefills are not slowed by the decode sharing their GPU "
-               f"({busy:.1f} vs {idle:.1f} ms)")
-        assert busy >= 2 * idle, (why, report)
-        pytest.xfail(f"C: both engines share the one GPU; C's prefills take {busy:.0f} ms "
-                     f"while decode runs, {idle:.0f} ms while it is idle (same prompts); the "
-                     "simulator gives each engine its own device")
+        slower = shared_gpu_slowdown(runs, "C")
+        why = (f"C misses and its prefills ran only {slower:.2f}x as long as A's of the same "
+               "lengths: not the decode sharing their GPU")
+        assert slower >= SHARED_SLOWER, (why, report)
+        pytest.xfail(f"C: both engines share the one GPU; C's one-step prefills took {slower:.2f}x "
+                     "as long as A's of the same lengths (decode running beside them, mostly "
+                     "idle in A); the simulator gives each engine its own device")
     assert all(v == "pass" for v in verdicts.values()), report
 
 
-def shared_gpu_slowdown(runs: str, run: str) -> tuple[float, float]:
-    """Median one-step prefill (ms) of the prompt lengths seen both with decode idle and busy
-    in `run`: (idle, busy)."""
-    from kvplane.sim.live_calibration import decode_interference
+# C's prefills at least this much slower than A's of the same lengths: the shared GPU's doing
+# (C predicted at 1.36x in session 2; missed at 1.58-4.6x in sessions 4-7)
+SHARED_SLOWER = 1.5
+
+
+def shared_gpu_slowdown(runs: str, run: str) -> float:
+    """How much longer `run`'s one-step prefills took than A's of the same lengths."""
+    from kvplane.sim.live_calibration import prefill_slowdown
     from kvplane.store import open_store
 
     with open_store(runs) as store:
-        got = decode_interference(store, run)
-    if got is None:
-        return float("nan"), float("nan")
-    return got[0] * 1e3, got[1] * 1e3
+        got = prefill_slowdown(store, run, "A")
+    return float("nan") if got is None else got

@@ -127,6 +127,7 @@ def test_the_hash_index_answers_as_a_dict_does() -> None:
         probe = list(ref)[:50] + rng.integers(0, 2**64, size=10, dtype=np.uint64).tolist()
         got = index.get(np.array(probe, dtype=np.uint64)).tolist()
         assert got == [ref.get(h, -1) for h in probe]
+        assert [index.get_one(h) for h in probe] == got  # the one-key walk answers alike
         assert len(index) == len(ref)
 
 
@@ -301,6 +302,48 @@ def test_the_hash_index_removes_by_value_as_by_key() -> None:
         got = index.get(np.array(probe, dtype=np.uint64)).tolist()
         assert got == [ref.get(h, -1) for h in probe]
         assert len(index) == len(ref)
+
+
+def test_add_absent_inserts_what_a_dict_lacks() -> None:
+    """`add_absent` (one probe: find, then insert at the first free slot passed) against a
+    dict filled key by key in order: the keys it reports inserted are exactly those absent
+    when their turn came (a key named twice: its first), and every lookup after it answers
+    as the dict does, through tombstones, rebuilds and keys whose runs meet at one slot."""
+    import numpy as np
+
+    from kvplane.sim.engine import HashIndex
+
+    rng = np.random.default_rng(17)
+    index, ref = HashIndex(256, by_value=True), {}
+    twice = 0
+    for _ in range(800):
+        if ref and rng.random() < 0.45:
+            keys = list(ref)
+            picked = rng.permutation(len(keys))[: int(rng.integers(1, 30))].tolist()
+            values = [ref.pop(keys[i]) for i in picked]
+            index.remove_values(np.array(values, dtype=np.int64))
+            continue
+        held = set(ref.values())
+        free = [b for b in range(256) if b not in held]
+        # present keys mixed with new ones; small keys collide in their slots
+        pool = rng.integers(0, 400, size=40) if rng.random() < 0.5 else \
+            rng.integers(0, 2**64, size=40, dtype=np.uint64)
+        cand = list(dict.fromkeys([*list(ref)[:10], *pool.tolist()]))[:len(free) - 1]
+        if rng.random() < 0.2:
+            cand.append(cand[int(rng.integers(len(cand)))])  # a key twice
+            twice += cand[-1] not in ref
+        values = rng.permutation(free)[:len(cand)]
+        got = index.add_absent(np.array(cand, dtype=np.uint64), values.astype(np.int64))
+        want = []
+        for h, b in zip(cand, values.tolist()):
+            want.append(h not in ref)
+            ref.setdefault(h, b)
+        assert got.tolist() == want
+        probe = list(ref) + rng.integers(0, 2**64, size=10, dtype=np.uint64).tolist()
+        assert index.get(np.array(probe, dtype=np.uint64)).tolist() == [ref.get(h, -1)
+                                                                         for h in probe]
+        assert len(index) == len(ref)
+    assert twice > 0  # an absent key named twice was met
 
 
 def test_while_recording_a_pool_hands_out_long_lists_with_their_runs() -> None:

@@ -357,3 +357,66 @@ def test_kv_dtype_is_apart_from_the_weights() -> None:
     assert g8.bytes_per_token_per_rank == pytest.approx(g.bytes_per_token_per_rank / 2)
     assert ComputeCost(q8, hw).weight_bytes_per_rank() == ComputeCost(q, hw).weight_bytes_per_rank()
     assert kv_pool_blocks(q8, hw, 8) == pytest.approx(2 * kv_pool_blocks(q, hw, 8), rel=1e-3)
+
+
+# --- steps in and out of CUDA graphs --------------------------------------------------------------
+
+
+def _graphed(graph: float = 1e-4, floor_per_layer: float = 0.0,
+             empty: float | None = None) -> CalibrationProfile:
+    upd: dict[str, Any] = {
+        "graph_step_overhead": {"value": graph, "unit": "s", "source": "synthetic: test"},
+        "launch_floor": ({"value": floor_per_layer, "unit": "s/layer", "source": "synthetic: test"}
+                         if floor_per_layer else None)}
+    if empty is not None:
+        upd["empty_step"] = {"value": empty, "unit": "s", "source": "synthetic: test"}
+    return CalibrationProfile.model_validate({**calibration().model_dump(), **upd})
+
+
+def test_graph_replayed_decode_steps_have_their_own_fixed_part() -> None:
+    plain = ComputeCost(model(), hardware(), None, 16, calibration(), graph_batch=4)
+    cal = _graphed(graph=1e-4)
+    graphed = ComputeCost(model(), hardware(), None, 16, cal, graph_batch=4)
+    step = calibration().step_overhead.value
+    assert step > 1e-4
+    # up to the graph batch: the graph's fixed part replaces the step's
+    for b in (1, 4):
+        assert graphed.decode_step_time(b, 100 * b) == pytest.approx(
+            plain.decode_step_time(b, 100 * b) - step + 1e-4)
+    # beyond it, and any step with a prefill chunk: launched from the host, as before
+    assert graphed.decode_step_time(5, 500) == plain.decode_step_time(5, 500)
+    assert graphed.prefill_time(64) == plain.prefill_time(64)
+    assert graphed.batch_step_time([(8, 0)], [100]) == plain.batch_step_time([(8, 0)], [100])
+    assert graphed.batch_step_time((), [100, 100]) == graphed.decode_step_time(2, 200)
+    # without a measured graph step the graph batch changes nothing
+    assert plain.decode_step_time(1, 100) == ComputeCost(
+        model(), hardware(), None, 16, calibration()).decode_step_time(1, 100)
+
+
+def test_a_step_launched_from_the_host_takes_at_least_the_launch_floor() -> None:
+    m = model()
+    plain = ComputeCost(m, hardware(), None, 16, calibration())
+    floor = (plain.prefill_time(16) + plain.prefill_time(4096)) / 2  # between the two
+    per_layer = floor / m.num_layers.value
+    cost = ComputeCost(m, hardware(), None, 16, _graphed(floor_per_layer=per_layer),
+                       graph_batch=2)
+    short, long = cost.prefill_time(16), cost.prefill_time(4096)
+    assert plain.decode_step_time(3, 96) < floor  # the test's premise: decode under the floor
+    assert short == pytest.approx(floor)  # held at the floor
+    assert long == plain.prefill_time(4096)  # the GPU's work covers the launch
+    assert cost.decode_step_time(2, 64) < floor  # a graph's replay is not floored
+    assert cost.decode_step_time(3, 96) == pytest.approx(floor)  # beyond the graph batch
+    # the macro-step's array path agrees with one call per step, floor included
+    for b in (2, 3):
+        assert cost.decode_step_times(b, 64, 8) == [cost.decode_step_time(b, 64 + b * i)
+                                                   for i in range(8)]
+
+
+def test_an_empty_step_is_the_measured_one_when_there_is_one() -> None:
+    from kvplane.sim.costs import SimCosts
+
+    m, h = model(), hardware()
+    kw: dict[str, Any] = {"reserve_bytes": 0.0}
+    assert SimCosts(m, h, calibration=calibration(), **kw).empty_step_time() == \
+        calibration().step_overhead.value
+    assert SimCosts(m, h, calibration=_graphed(empty=7e-3), **kw).empty_step_time() == 7e-3

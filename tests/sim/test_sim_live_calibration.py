@@ -281,3 +281,19 @@ def test_a_twins_slowdown_draws_keep_the_recorded_mean() -> None:
     assert statistics.fmean(draws) == pytest.approx(statistics.fmean(recorded), rel=0.05)
     assert min(draws) == 1.0 and max(draws) == 1000.0
     assert sum(d == 1000.0 for d in draws) == pytest.approx(200_000 / 200, rel=0.2)
+
+
+def test_the_fit_finds_a_launch_floor_under_the_line_of_longer_prefills() -> None:
+    from kvplane.sim.live_calibration import _floor_line
+
+    xs = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    line = [(x, 2.0 + 3.0 * x) for x in xs]  # no floor: the plain line
+    assert _floor_line(line) == (None, pytest.approx(2.0), pytest.approx(3.0))
+    floored = [(x, max(12.0, 2.0 + 3.0 * x)) for x in xs]  # 1-3 sit on a floor of 12
+    floor, a, b = _floor_line(floored)
+    assert floor == pytest.approx(12.0) and a == pytest.approx(2.0) and b == pytest.approx(3.0)
+    flat = [(x, 70.0 + (-1.0) ** i) for i, x in enumerate(xs)]  # steps that ignore their work
+    assert _floor_line(flat) == (pytest.approx(70.0), 0.0, 0.0)
+    # a floor barely above the line is noise, not a floor
+    noisy = [(1.0, 5.3), *line[1:]]
+    assert _floor_line(noisy)[0] is None

@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 from hypothesis import strategies as st
 
-from kvplane.core.events import EVENT_TYPES, Event
+from kvplane.core.events import EVENT_TYPES, DecodeBlocksReserved, Event, KVReceived
 
 FIELDS_COMMON = ("at", "instance", "request")
 
@@ -59,6 +59,20 @@ def sample_event(cls: type[Event], i: int = 0) -> Event:
 
 def every_type_samples(per_type: int = 3) -> list[Event]:
     return [sample_event(cls, i) for cls in EVENT_TYPES.values() for i in range(per_type)]
+
+
+def schema3_samples(per_type: int = 3) -> list[Event]:
+    """`every_type_samples` as a kvplane of event schema 3 made them (what the stores in
+    tests/data were written with): less `DecodeBlocksReserved`, `KVReceived` without the
+    notifications folded in (schema 4 added both)."""
+    out: list[Event] = []
+    for e in every_type_samples(per_type):
+        if isinstance(e, DecodeBlocksReserved):
+            continue
+        if isinstance(e, KVReceived):
+            e = dataclasses.replace(e, src_ranks=(), dst_ranks=())
+        out.append(e)
+    return out
 
 
 # --- Hypothesis ---

@@ -15,6 +15,7 @@ from kvplane.core.events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
     BlocksReserved,
+    DecodeBlocksReserved,
     Event,
     RequestArrived,
     TransferPlanned,
@@ -298,14 +299,17 @@ def test_block_counts_are_stored_beside_the_events(store: EventStore) -> None:
     assert counted == [block_count(e) for e in samples]
     # every event type with a block list is counted, and the count is its list's length
     assert {type(e).__name__ for e, n in zip(samples, counted, strict=True) if n is not None} \
-        == {"BlocksReserved", "BlocksFreed", "RegistrationSent", "RegistrationArrived",
+        == {"BlocksReserved", "DecodeBlocksReserved", "BlocksFreed", "RegistrationSent",
+            "RegistrationArrived",
             "PrefillFinished", "TransferPlanned", "MetadataRelayed", "LeaseGranted"}
     transfer = next(e for e in samples if isinstance(e, TransferPlanned))
     assert block_count(transfer) == len(transfer.dst_blocks)
 
 
 def test_an_old_store_is_read_as_it_is_then_upgraded_with_its_counts(store_url: str) -> None:
-    samples = every_type_samples(per_type=3)
+    # less the types that came after revision 0002 (no store of revision 0001 holds them)
+    samples = [e for e in every_type_samples(per_type=3)
+               if not isinstance(e, DecodeBlocksReserved)]
     with open_store(store_url) as first:
         run = first.create_run("sim", "old")
         first.append(run, samples)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import func, insert, select
-from store_samples import every_type_samples, in_threads
+from store_samples import every_type_samples, in_threads, schema3_samples
 
 from kvplane.core.events import SCHEMA_VERSION, BlocksReserved
 from kvplane.results import request_rows
@@ -55,7 +55,7 @@ def per_run(engine: object, run_ids: list[str]) -> dict[str, int]:
 
 
 def test_a_store_from_before_0004_is_read_as_it_is_then_upgraded(tmp_path: Path) -> None:
-    samples = every_type_samples(per_type=3)
+    samples = schema3_samples(per_type=3)  # what the old store holds
     wanted = {A: [*samples, BIG, *samples], CHILD: samples[:10]}
     url = old_store(tmp_path)
     with open_store(url, read_only=True) as old:
