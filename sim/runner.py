@@ -82,8 +82,7 @@ def feed(sim: Simulation, batch: RequestBatch | Sequence[Request], block_size: i
     followers: dict[int, list[Request]] = {}
     firsts: list[Request] = []
     ranks = count()  # requests are made as they arrive: in arrival order
-    for i in range(len(batch)):
-        q = batch[i]
+    for q in batch:  # a RequestBatch iterates its columns once, not a numpy scalar per field
         if q.previous is None:
             firsts.append(q)
         else:
@@ -235,7 +234,7 @@ def serve_history(sim: Simulation, point: Point, block_size: int) -> int:
     try:
         for k, earlier in enumerate(point.history):
             batch = requests_for_point(earlier)
-            ids = [f"h{k}-{batch[i].request_id}" for i in range(len(batch))]
+            ids = [f"h{k}-{q.request_id}" for q in batch]
             sim.env.run(until=feed(sim, batch, block_size, ids=ids, start=sim.env.now))
             sim.drain()  # the pause between two benchmark runs: every lease and hold ends
             served += len(batch)
