@@ -30,6 +30,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, Literal
 
 from kvplane.store import EventStore
@@ -217,7 +218,7 @@ def prefill_slowdown(store: EventStore, run_id: str, reference: str) -> float | 
     def at(n: int) -> float:
         if n <= ref[0][0]:
             return ref[0][1]
-        for (n0, d0), (n1, d1) in zip(ref, ref[1:], strict=False):
+        for (n0, d0), (n1, d1) in pairwise(ref):
             if n <= n1:
                 return d0 + (d1 - d0) * (n - n0) / (n1 - n0)
         return ref[-1][1]

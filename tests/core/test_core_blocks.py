@@ -9,10 +9,10 @@ import random
 import pytest
 
 from kvplane.core.blocks import RunBlocks, join, runs_of, tail
-from kvplane.core.plan import count_runs
 from kvplane.core.checks import duplicates, found_fine
 from kvplane.core.connector_rules import LoadWindow
 from kvplane.core.events import BlocksReserved
+from kvplane.core.plan import count_runs
 
 
 def spelled(runs: tuple[int, ...]) -> list[int]:
