@@ -145,7 +145,7 @@ class EngineSettings(_Config):
         description="largest decode-only batch vLLM replays from a captured CUDA graph. Null "
         "(the default): vLLM's own choice, min(2 x max_num_seqs, 512) (vLLM 0.25); 0: eager "
         "(--enforce-eager). Only a calibration with graph_step_overhead prices graph steps "
-        "apart",
+        "apart, and `kvplane calibrate live` fits one only when this is stated",
     )
     activation_reserve_bytes: float = Field(
         default=4.0e9, ge=0.0,

@@ -30,8 +30,9 @@ import statistics
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any, Literal
+
+import numpy as np
 
 from kvplane.store import EventStore
 
@@ -209,22 +210,13 @@ def prefill_slowdown(store: EventStore, run_id: str, reference: str) -> float | 
     in this run. The reference is the calibration run, whose decode was mostly idle; a ratio
     well above 1 means this run's prefills met something the twin does not price (a decode
     sharing their GPU). None without prefills in either run."""
-    ref = sorted((int(n), statistics.median(ds)) for n, ds in
+    ref = sorted((n, statistics.median(ds)) for n, ds in
                  _by_length(intervals(store, reference)).items())
     got = intervals(store, run_id)
     if not ref or not got.get("prefill_step"):
         return None
-
-    def at(n: int) -> float:
-        if n <= ref[0][0]:
-            return ref[0][1]
-        for (n0, d0), (n1, d1) in pairwise(ref):
-            if n <= n1:
-                return d0 + (d1 - d0) * (n - n0) / (n1 - n0)
-        return ref[-1][1]
-
-    return statistics.median(d / at(int(n)) for n, d in
-                             zip(got["prefill_tokens"], got["prefill_step"], strict=True))
+    expected = np.interp(got["prefill_tokens"], [n for n, _ in ref], [d for _, d in ref])
+    return float(np.median(np.asarray(got["prefill_step"]) / expected))
 
 
 def _by_length(iv: Mapping[str, list[float]]) -> dict[int, list[float]]:
@@ -365,9 +357,11 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
     `host_samples` (`[time, run queue, ...]`; default: the run's `meta.host_samples`) is the
     host's state during the run: with enough of them the slowdown is also split by the run
     queue when each hop began (`host_state`, `HostSlowdown.by_state`).
-    `graph_batch` (the scenario's `engine.graph_batch`; 0: eager, the default) > 0: the engine
-    replayed decode-only steps from CUDA graphs, so their fixed part is fitted apart
-    (`graph_step_overhead`, from the decode tokens) from that of a step with a prefill chunk.
+    `graph_batch` > 0 (the scenario's `engine.cuda_graph_max_batch` when the scenario states
+    it; 0, the default: eager, or not stated, as CPU runs): the engine replayed decode-only
+    steps from CUDA graphs, so their fixed part (`graph_step_overhead`), the host's launch
+    floor of the other steps (`launch_floor`) and the step that reports a finished receive
+    (`empty_step`) are fitted apart from the prefill line.
     Raises ValueError naming what the run lacks (no pull-mode request, no transfer, ...).
     """
     iv = intervals(store, run_id)
@@ -390,13 +384,16 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
     pts = [(compute.flops(n, n * (n + 1) / 2.0, 1), _q(ds, QUIET))
            for n, ds in sorted(_by_length(iv).items())]
     per_token = iv.get("decode_token") or iv["tpot"]
+    # what A's time per output token (batch 1, lower quintile) leaves over the step's priced
+    # arithmetic: a decode step's fixed part
+    token_rest = max(_q(per_token, QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
     # with CUDA graphs the shortest prefills can sit on a floor: the host launching a forward
     # outside the graphs, which short chunks' GPU work does not cover
     floor, overhead, slope = _floor_line(pts) if graph_batch > 0 else (None, *_line(pts))
     flat = floor is not None and slope == 0.0  # every length on the floor: no line to read
     overhead_from = "prefill_step"
     if slope <= 0 or overhead <= 0:  # no line: the decode time per token, one slope through it
-        overhead = max(_q(per_token, QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
+        overhead = token_rest
         overhead_from = "decode_token"
         slope = (sum(f * max(y - overhead, 0.0) for f, y in pts) / sum(f * f for f, _ in pts))
     peak = compute.flops_per_second / prior.compute_utilization.value
@@ -422,10 +419,8 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                        0.0)
     leg, resp = max(_q(iv["request_leg"], QUIET), 0.0), max(_q(iv["response_leg"], QUIET), 0.0)
     # a decode-only step replayed from a CUDA graph launches no kernel from the host: its fixed
-    # part is what the lower quintile of A's time per output token (batch 1) leaves over the
-    # step's priced arithmetic, not the prefill line's intercept
-    graph = (max(_q(per_token, QUIET) - compute.decode_step_time(1, int(ctx)), 0.0)
-             if graph_batch > 0 else None)
+    # part is token_rest, not the prefill line's intercept
+    graph = token_rest if graph_batch > 0 else None
     graph_fit = empty_fit = None
     if graph is not None:
         graph_fit = _fitted(

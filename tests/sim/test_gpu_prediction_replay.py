@@ -37,7 +37,7 @@ from kvplane.sim.live_calibration import (
 )
 from kvplane.sim.profiles import CalibrationProfile
 from kvplane.sim.replay_sim import scenario_for_run
-from kvplane.store import open_store
+from kvplane.store import EventStore, open_store
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu_prediction"
 SEEDS = 10
@@ -79,12 +79,18 @@ def _session(session: str, tmp_path: Path) -> str:
     return f"sqlite:///{db}"
 
 
+def _scenario(store: EventStore, graphs: int) -> Scenario:
+    """The scenario run A was recorded under, stating what its engines captured (the kept
+    sessions predate `engine.cuda_graph_max_batch`)."""
+    sc: Scenario = scenario_for_run(store, store.run("A"))
+    return sc.model_copy(update={"engine": sc.engine.model_copy(
+        update={"cuda_graph_max_batch": graphs})})
+
+
 def _fit(url: str, session: str) -> tuple[Scenario, CalibrationProfile]:
     graphs = 0 if session in EAGER else 32  # what the session's engines ran
     with open_store(url) as store:
-        sc: Scenario = scenario_for_run(store, store.run("A"))
-        sc = sc.model_copy(update={"engine": sc.engine.model_copy(
-            update={"cuda_graph_max_batch": graphs})})
+        sc = _scenario(store, graphs)
         fit = fit_live(store, "A", sc.model, sc.hardware, calibration_for(sc),
                        block_size=sc.engine.block_size, link=sc.link, graph_batch=graphs)
     return sc, fit.calibration
@@ -154,10 +160,7 @@ def test_h200_fit_of_one_dense_model_predicts_another(fitted: str, predicted: st
     _, cal = _fit(_session(fitted, tmp_path), fitted)
     url = _session(predicted, tmp_path)
     with open_store(url) as store:
-        sc = scenario_for_run(store, store.run("A"))
-        sc = sc.model_copy(update={"engine": sc.engine.model_copy(
-            update={"cuda_graph_max_batch": 32})})
-        scenario = apply_calibration(sc, cal)
+        scenario = apply_calibration(_scenario(store, 32), cal)
         for run in ("A", "B"):
             res = predict(store, run, scenario, 5)
             for p, tol in TARGET.items():
