@@ -112,7 +112,7 @@ from .router_upstream import (
     side_unhold,
 )
 
-UPSTREAM_KEEPALIVE = 4.0  # seconds an idle connection to an engine is kept for reuse
+UPSTREAM_KEEPALIVE = 2.5  # seconds an idle connection to an engine is kept for reuse
 
 log = logging.getLogger("kvplane.router")
 
@@ -232,7 +232,9 @@ class Router(ContactsMixin, LeasesMixin):
             # an idle pooled connection is dropped before the engine's HTTP server closes it
             # (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s); aiohttp's default (15 s) reuses ones
             # the server has closed when a loaded host has not yet read the close, and the leg
-            # fails ("Can not write request body")
+            # fails ("Can not write request body", "Server disconnected"). A loaded engine's
+            # event loop can fire its keep-alive timer before reading a leg that came in under
+            # it, so the margin is wide and `_post` sends such a leg once more.
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0,
                                            keepalive_timeout=UPSTREAM_KEEPALIVE),
             auto_decompress=False,
@@ -516,6 +518,24 @@ class Router(ContactsMixin, LeasesMixin):
         self.inflight[up.id] -= 1
         self.metrics.inflight.labels(up.role, up.id).set(self.inflight[up.id])
 
+    async def _post(self, up: Upstream, turn: Turn, body: Mapping[str, Any],
+                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """POST a leg; sent once more if the instance closed the pooled
+        connection before answering (its keep-alive ran out as the leg went out: it never
+        read the leg). A refused or timed-out connection, or a break after the answer began,
+        is not retried."""
+        for attempt in (0, 1):
+            try:
+                return await self.session.post(up.url + turn.path, json=body,
+                                               headers=self._headers(turn), timeout=timeout)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                log.info("%s closed a pooled connection before answering %s's %s leg (%s); "
+                         "sending it again", up.id, turn.id, up.role, exc)
+                self.metrics.stale_retries.labels(up.role, up.id).inc()
+        raise AssertionError("unreachable")
+
     async def _prefill_leg(self, turn: Turn, reuse: Mapping[str, Any] | None) -> dict[str, Any]:
         """Prefill's one-token leg; its answer (JSON object) or `UpstreamError`."""
         up = turn.prefill
@@ -533,13 +553,8 @@ class Router(ContactsMixin, LeasesMixin):
         limit = self.config.timeouts.prefill
         t = self._leg_started(up)
         try:
-            async with self.session.post(
-                up.url + turn.path,
-                json=body,
-                headers=self._headers(turn),
-                timeout=aiohttp.ClientTimeout(total=limit,
-                                              sock_connect=self.config.timeouts.connect),
-            ) as resp:
+            timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.config.timeouts.connect)
+            async with await self._post(up, turn, body, timeout) as resp:
                 status, text = resp.status, await resp.text()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise describe(exc, up, "prefill leg", limit) from None
@@ -734,13 +749,7 @@ class Router(ContactsMixin, LeasesMixin):
         try:
             try:
                 resp = await self._race(
-                    asyncio.wait_for(
-                        self.session.post(
-                            up.url + turn.path, json=body, headers=self._headers(turn),
-                            timeout=timeout,
-                        ),
-                        to.decode_first,
-                    ),
+                    asyncio.wait_for(self._post(up, turn, body, timeout), to.decode_first),
                     guard,
                 )
             except (TimeoutError, aiohttp.ClientError) as exc:

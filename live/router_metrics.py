@@ -86,6 +86,11 @@ class RouterMetrics:
             "kvplane_router_inflight", "Legs in flight per instance (the load the router routes "
             "by).", ["role", "instance"], registry=r,
         )
+        self.stale_retries = Counter(
+            "kvplane_router_stale_connection_retries",
+            "Legs sent again on a new connection after an instance closed a pooled idle one "
+            "before answering.", ["role", "instance"], registry=r,
+        )
         self.recorder_failures = Counter(
             "kvplane_router_recorder_failures",
             "Events the recorder refused or could not queue.", registry=r,

@@ -38,3 +38,30 @@ def _require_nixl() -> None:
             "run `bash scripts/install_live.sh .venv` (or the venv you test with) first.",
             pytrace=False,
         )
+
+
+LOG_TAIL_LINES = 25
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    item.stash[_dirs_before] = len(_servers.CREATED_LOG_DIRS)
+    return (yield)
+
+
+_dirs_before = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """A failed test's report ends with the last lines of every server log its clusters wrote:
+    a CI run keeps only the test output, and a vLLM instance that died says why there."""
+    report = yield
+    if report.failed and call.when == "call":
+        made = _servers.CREATED_LOG_DIRS
+        # the clusters this test started, else the newest (a module's shared cluster)
+        for folder in made[item.stash.get(_dirs_before, 0):] or made[-1:]:
+            for log in sorted(folder.glob("*.log")):
+                lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                report.sections.append((f"last lines of {log}", "\n".join(lines)))
+    return report

@@ -59,6 +59,8 @@ def require_vllm() -> None:
 
 
 KEEP_LOG_DIRS = 60  # the newest suites' folders kept: a developer's disk does not fill up
+CREATED_LOG_DIRS: list[Path] = []  # this session's, newest last (conftest shows a failed
+# test's log tails from them: CI keeps only the test output)
 
 
 def log_dir(suite: str) -> Path:
@@ -73,6 +75,7 @@ def log_dir(suite: str) -> Path:
                                Path(tempfile.gettempdir()) / "kvplane-live-logs"))
     path = base / f"{suite}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     path.mkdir(parents=True, exist_ok=True)
+    CREATED_LOG_DIRS.append(path)
     old = sorted((p for p in base.iterdir() if p.is_dir() and p != path),
                  key=lambda p: p.stat().st_mtime)
     for stale in old[:max(0, len(old) - KEEP_LOG_DIRS + 1)]:

@@ -391,6 +391,38 @@ def test_instance_dying_after_first_contact_is_502() -> None:
     run(go)
 
 
+def test_a_closed_pooled_connection_is_sent_again_once() -> None:
+    async def go() -> None:
+        p, d = await standins("prefill-0", "decode-0")
+        router = Router(make_config([p], [d], mode="pull"))
+        try:
+            async with serving(router) as url:
+                p.drop = d.drop = 1  # each closes one leg's connection unanswered
+                status, body, _ = await post(url + "/v1/completions",
+                                             {"model": MODEL, "prompt": "x", "max_tokens": 2})
+                assert status == 200, body
+                # each leg went out twice, under one request id
+                assert len(p.completions_seen()) == len(d.completions_seen()) == 2
+                assert len({s.request_id for s in p.completions_seen() + d.completions_seen()}) \
+                    == 1
+                _, page = await get_text(url + "/metrics")
+                for role, inst in (("prefill", "prefill-0"), ("decode", "decode-0")):
+                    line = (f'kvplane_router_stale_connection_retries_total{{instance="{inst}",'
+                            f'role="{role}"}} 1.0')
+                    assert line in page
+                p.drop = 2  # twice running is an instance that is going away: no third try
+                status, body, _ = await post(url + "/v1/completions",
+                                             {"model": MODEL, "prompt": "x"})
+                assert status == 502, body
+                assert "prefill instance prefill-0" in body["error"]["message"]
+                assert "closed the connection during the prefill leg" in body["error"]["message"]
+                assert len(p.completions_seen()) == 4 and len(d.completions_seen()) == 2
+        finally:
+            await stop(p, d)
+
+    run(go)
+
+
 def test_slow_instance_is_504() -> None:
     async def go() -> None:
         p, d = await standins("prefill-0", "decode-0")

@@ -117,6 +117,7 @@ class StandIn:
     tokens: int = 4
     token_delay: float = 0.001  # seconds between streamed tokens
     stream_closed: bool = False  # a stream's reader went away before the end
+    drop: int = 0  # close this many completions' connections without answering
     seen: list[Seen] = field(default_factory=list)
     retained: dict[str, Retained] = field(default_factory=dict)  # by xfer
     leases: dict[str, float] = field(default_factory=dict)  # lease -> expires_at
@@ -195,6 +196,11 @@ class StandIn:
         body = await request.json()
         seen = Seen(request.path, request.headers.get("X-Request-Id"), body, time.monotonic())
         self.seen.append(seen)
+        if self.drop:  # as a server whose keep-alive ran out as the request came in
+            self.drop -= 1
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         try:
             return await self._answer(request, body, seen)
         finally:
