@@ -1090,6 +1090,7 @@ class Instance:
                               sim.cfg.block_reuse)
         self.pool.with_runs = sim.recording  # short lists too carry runs for the recorder
         self.wake = sim.env.event()
+        self.expiry_timers: dict[str, float] = {}  # lease -> when its one pending timer fires
         self.nic = simpy.Resource(sim.env, capacity=1)
         self.peers: set[str] = set()
         self.core: Any = None
@@ -1124,13 +1125,37 @@ class Instance:
         self.poke()
 
     def expire_at(self, lease: str, at: float) -> None:
-        """Run a lease tick when `lease` may be due; the core decides whether it is."""
+        """Run a lease tick when `lease` may be due; the core decides whether it is.
+
+        One timer per lease at a time: a renewal that moves the deadline later arms nothing,
+        and the timer, firing at the earlier deadline, re-arms for the lease's deadline then
+        (a renewed lease is not ticked at deadlines it has outlived). A lease with a read
+        pinned is ticked when it fires, as the pins' bounds are checked there."""
+        armed = self.expiry_timers.get(lease)
+        if armed is not None and armed <= at:
+            return
+        self._arm_expiry(lease, at)
+
+    def _arm_expiry(self, lease: str, at: float) -> None:
+        env = self.sim.env
+        self.expiry_timers[lease] = at
 
         def fire(_: Any) -> None:
-            if lease in self.core.leases.leases:
-                self.do(LeaseTick(lease))
+            if self.expiry_timers.get(lease) != at:
+                return  # an earlier deadline armed another timer since
+            del self.expiry_timers[lease]
+            ls = self.core.leases.leases.get(lease)
+            if ls is None:
+                return
+            if ls.expires_at > env.now and not ls.pins:
+                self._arm_expiry(lease, ls.expires_at)
+                return
+            self.do(LeaseTick(lease))
+            ls = self.core.leases.leases.get(lease)
+            if ls is not None and ls.expires_at > env.now:
+                self._arm_expiry(lease, ls.expires_at)
 
-        self.sim.env.timeout(max(at - self.sim.env.now, 0.0)).callbacks.append(fire)
+        env.timeout(max(at - env.now, 0.0)).callbacks.append(fire)
 
 
 class PrefillInstance(Instance):
