@@ -47,7 +47,7 @@ DbOpt = Annotated[
 
 
 EngineOpt = Annotated[str, typer.Option(
-    help="Where points run: `local` processes, or `ray` tasks (pip install 'kvplane[ray]').")]
+    help="Where points run: `local` processes, or `ray` tasks (pip install 'kvplane\\[ray]').")]
 AddressOpt = Annotated[
     Optional[str],  # noqa: UP045
     typer.Option(help="With --engine ray: the Ray cluster to join (host:port, or `auto`); "
@@ -468,7 +468,7 @@ def calibrate_live(
         "together: compare only the requests of this recorded run (repeat for each workload; "
         "the twins simulate them all, as they shared the engines).")] = None,
     host_samples: Annotated[Optional[Path], typer.Option(  # noqa: UP045
-        help="JSON file of the host's run-queue samples per run ({run: [[time, run queue, "
+        help="JSON file of the host's run-queue samples per run ({run: \\[\\[time, run queue, "
         "...], ...]}, or a live test's prediction.json with them under host_samples); "
         "default: the runs' own meta.host_samples.")] = None,
 ) -> None:

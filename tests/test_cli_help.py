@@ -1,0 +1,42 @@
+"""Every `kvplane` command's --help shows its own and each option's help text whole: Typer renders help
+through Rich markup, which silently drops a bracketed word it takes for a style tag
+(`pip install 'kvplane[ray]'` printed as `pip install 'kvplane'`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from typer.testing import CliRunner
+
+from kvplane.cli import app
+
+
+def commands(cmd: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from commands(sub, [*path, name])
+
+
+def words(text: str) -> str:
+    """The text's characters other than space and Rich's box drawing, markup escapes undone."""
+    return re.sub(r"[\s│╭╮╰╯─]+", "", text.replace("\\[", "["))
+
+
+def test_every_commands_and_options_help_is_printed_whole() -> None:
+    runner = CliRunner()
+    checked = 0
+    for path, cmd in commands(typer.main.get_command(app), []):
+        helps = [p.help for p in cmd.params if getattr(p, "help", None)]
+        helps += [cmd.help] if cmd.help else []
+        if not helps:
+            continue
+        got = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "4000"}, terminal_width=4000)
+        assert got.exit_code == 0, (path, got.output)
+        shown = words(got.output)
+        for h in helps:
+            assert words(h) in shown, f"kvplane {' '.join(path)} --help lost part of: {h!r}"
+            checked += 1
+    assert checked > 50  # the walk reached the subcommands' options
