@@ -9,6 +9,9 @@ completed rate is printed too):
   the rest (encoding and batching events on the simulator's thread; being the difference of
   two runs' CPU, it also holds their spread, about ±0.1-0.2 s on a shared 2-core machine);
 - with `--profile`, the five functions with the most own time (cProfile, recording off);
+- with `--core-share`, the protocol core's share of a run (its calls timed one by one; the
+  timing adds about a microsecond a call), per request, against the CPU a request may take in
+  all at 1,000x real time;
 - the wall time of a `--requests` multi-turn run (reuse on, recording off).
 
 CPU seconds are this process's, all threads (the recorder's writer included): on a shared,
@@ -19,7 +22,7 @@ commit's code (exported to a temporary folder and imported from there, in a chil
 measurement, alternating with this tree's), and the table gains the ratio this/baseline: the
 before/after of a change, measured in one run on one machine state.
 
-Usage: python benchmarks/sim_speed.py [--minutes 10] [--requests 100000] [--profile]
+Usage: python benchmarks/sim_speed.py [--minutes 10] [--requests 100000] [--profile] [--core-share]
        [--baseline REF] [--repeat 3]
 Goals: at least 1,000x faster than real time for 1P1D; recording on costs < 20% over off.
 """
@@ -67,6 +70,39 @@ def timed(point: Point, record: bool, tmp: str) -> tuple[float, float, dict[str,
         rec.close()
         s["writer_cpu_s"] = rec.writer_cpu_s
         return time.process_time() - cpu, time.perf_counter() - wall, s, rec.written
+
+
+def core_share(point: Point) -> str:
+    """How much of a run (recording off) the protocol core's own calls take: every
+    `machine.handle` the simulator makes, timed (CPU); per request, against what a request may
+    cost in all for the run to go 1,000x faster than real time."""
+    from kvplane.sim import engine
+
+    spent, calls = [0.0], [0]
+    plain = engine.Simulation.do
+
+    def timed_do(sim: Any, machine: Any, cmd: Any) -> Any:
+        t = time.process_time()
+        events = machine.handle(cmd, sim.env.now)
+        spent[0] += time.process_time() - t
+        calls[0] += 1
+        for e in events if sim.rec is not engine.ignore else ():
+            sim.rec(e)
+        return events
+
+    engine.Simulation.do = timed_do  # type: ignore[method-assign]
+    try:
+        cpu = time.process_time()
+        _, s = simulate(point, None, drain=False)
+        cpu = time.process_time() - cpu
+    finally:
+        engine.Simulation.do = plain  # type: ignore[method-assign]
+    n, sim_s = s["finished"], s["simulated_s"]
+    budget = sim_s / 1000 / n  # CPU a request may take in all at 1,000x real time
+    return (f"  {point.mode}: the core's calls {spent[0]:.2f} of {cpu:.2f} CPU s "
+            f"({spent[0] / cpu * 100:.0f} %), {calls[0] / n:.1f} a request: "
+            f"{spent[0] / n * 1e6:.0f} us a request in the core, {cpu / n * 1e6:.0f} in all; "
+            f"1,000x real time allows {budget * 1e6:.0f} us a request in all")
 
 
 def top_five(point: Point) -> str:
@@ -168,6 +204,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--profile", action="store_true", help="print the top five functions")
+    ap.add_argument("--core-share", action="store_true",
+                    help="time the protocol core's calls: their share, per request")
     ap.add_argument("--baseline", metavar="REF", help="also run git commit REF's code; ratios")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each point and mode; the least CPU is shown (with --baseline "
@@ -223,6 +261,8 @@ def main() -> None:
             if args.profile:
                 print(f"  {p.mode}: top five by own time (recording off)")
                 print(top_five(p))
+            if args.core_share:
+                print(core_share(p))
 
     if args.requests:
         bd = load_scenario("seed_bidirectional")
