@@ -149,7 +149,7 @@ def validate(
     out: Annotated[Optional[Path], typer.Option(help="Also write the table as Markdown here "  # noqa: UP045
                                                 "(e.g. docs/validation.md).")] = None,
     jobs: Annotated[int, typer.Option(help="Parallel processes.")] = 0,
-    seeds: Annotated[int, typer.Option(help="Seeds per figure (mean and 95 % interval).")] = 10,
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds per figure (mean and 95 % interval).")] = 10,
     calibration: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Calibration profile (name or YAML from `kvplane calibrate fit`); default: the "
         "bundled one of each scenario's (model kind, hardware).")] = None,
@@ -160,8 +160,6 @@ def validate(
     from kvplane.sim.profiles import load_profile
     from kvplane.sim.validate import run_validation
 
-    if seeds < 1:
-        _fail("--seeds must be at least 1")
     cal = None
     if calibration is not None:
         try:
@@ -176,27 +174,37 @@ def validate(
         raise typer.Exit(1)
 
 
+def _positive(value: float | None) -> float | None:
+    """A rate or an SLO: None (the default) or more than zero."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"must be more than 0, not {value:g}")
+    return value
+
+
 @app.command()
 def plan(
     scenario: Annotated[str, typer.Argument(help="Scenario YAML or bundled name giving model, "
                                             "hardware, engine and workload shape.")],
-    ttft_p90_ms: Annotated[float, typer.Option(help="SLO: p90 TTFT in ms.")] = 1000.0,
-    tpot_p90_ms: Annotated[float, typer.Option(help="SLO: p90 TPOT in ms.")] = 50.0,
+    ttft_p90_ms: Annotated[float, typer.Option(callback=_positive,
+                                               help="SLO: p90 TTFT in ms.")] = 1000.0,
+    tpot_p90_ms: Annotated[float, typer.Option(callback=_positive,
+                                               help="SLO: p90 TPOT in ms.")] = 50.0,
     qps: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        "--qps", "--rate", help="Rate to plan for: requests/s (multi-turn: new "
+        "--qps", "--rate", callback=_positive, help="Rate to plan for: requests/s (multi-turn: new "
         "conversations/s). Default: the scenario's highest swept rate.")] = None,
     input_len: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        help="Input tokens (multi-turn: first prompt). Default: the longest swept.")] = None,
+        min=1, help="Input tokens (multi-turn: first prompt). Default: the longest swept.")
+    ] = None,
     output_len: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        help="Output tokens. Default: the longest swept.")] = None,
+        min=1, help="Output tokens. Default: the longest swept.")] = None,
     requests: Annotated[Optional[int], typer.Option(  # noqa: UP045
         min=1, help="Requests per simulated run. Default: the scenario's.")] = None,
     seeds: Annotated[int, typer.Option(min=1, help="Seeds per candidate; a candidate must "
                                        "meet the SLO at every seed.")] = 3,
     gpu_hour_price: Annotated[Optional[float], typer.Option(  # noqa: UP045
         min=0.0, help="Price of one GPU-hour: rank and print cost in $/h.")] = None,
-    max_instances: Annotated[int, typer.Option(help="Largest xPyD total to try.")] = 8,
-    jobs: Annotated[int, typer.Option(help="Parallel processes (0: one per core).")] = 0,
+    max_instances: Annotated[int, typer.Option(min=2, help="Largest xPyD total to try.")] = 8,
+    jobs: Annotated[int, typer.Option(min=0, help="Parallel processes (0: one per core).")] = 0,
     engine: EngineOpt = "local",
     address: AddressOpt = None,
     topology_out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
@@ -462,7 +470,7 @@ def calibrate_live(
     predict: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Another recorded run to predict with the fit: its twins' TTFT percentiles "
         "against its recorded ones.")] = None,
-    seeds: Annotated[int, typer.Option(help="Twins (seeds) pooled for --predict.")] = 20,
+    seeds: Annotated[int, typer.Option(min=1, help="Twins (seeds) pooled for --predict.")] = 20,
     requests_of: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
         "--requests-of", help="With --predict of a run that recorded several workloads "
         "together: compare only the requests of this recorded run (repeat for each workload; "

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -40,3 +41,20 @@ def test_every_commands_and_options_help_is_printed_whole() -> None:
             assert words(h) in shown, f"kvplane {' '.join(path)} --help lost part of: {h!r}"
             checked += 1
     assert checked > 50  # the walk reached the subcommands' options
+
+
+@pytest.mark.parametrize("args, option", [
+    (["plan", "seed_push_vs_pull", "--qps", "-1"], "'--qps' / '--rate': must be more than 0"),
+    (["plan", "seed_push_vs_pull", "--ttft-p90-ms", "0"], "'--ttft-p90-ms': must be more"),
+    (["plan", "seed_push_vs_pull", "--input-len", "0"], "'--input-len'"),
+    (["plan", "seed_push_vs_pull", "--max-instances", "1"], "'--max-instances'"),
+    (["validate", "--seeds", "0"], "'--seeds'"),
+    (["calibrate", "live", "A", "--seeds", "0"], "'--seeds'"),
+])
+def test_an_impossible_number_is_refused_naming_the_option(args: list[str], option: str) -> None:
+    """Refused before any work starts (no progress bar, no model error naming internal
+    fields), exit code 2, the option named as the user typed it."""
+    got = CliRunner().invoke(app, args, env={"COLUMNS": "4000"}, terminal_width=4000)
+    assert got.exit_code == 2, got.output
+    assert option in got.output, got.output
+    assert "planning" not in got.output and "validation error" not in got.output
