@@ -589,10 +589,15 @@ def main() -> None:
     except Exception as exc:
         # What is wrong with a store is the user's to fix: one line, unless asked for more.
         # (kvplane.store is looked up, not imported: if no command loaded it, it raised nothing.)
+        # So is a file it names that cannot be read or written (a missing folder, no rights).
         errors = sys.modules.get("kvplane.store.errors")
-        if errors is None or not isinstance(exc, errors.StoreError):
+        store_error = errors is not None and isinstance(exc, errors.StoreError)
+        if not store_error and not isinstance(exc, OSError):
             raise
         if _debug or os.environ.get("KVPLANE_DEBUG", "") not in ("", "0"):
             traceback.print_exc()
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        what = str(exc)
+        if isinstance(exc, OSError) and exc.strerror and exc.filename:
+            what = f"{exc.filename}: {exc.strerror}"
+        typer.secho(f"error: {what}", fg=typer.colors.RED, err=True)
         sys.exit(2)

@@ -1,5 +1,5 @@
 """What `kvplane runs` and `kvplane replay` say about a store that is missing, damaged, foreign
-or newer, or a run that cannot be read: one line on stderr, a non-zero exit, no traceback
+or newer, a run that cannot be read, or a file it cannot write: one line on stderr, a non-zero exit, no traceback
 (unless `--debug` or KVPLANE_DEBUG=1), and never a store created by a read.
 
 Most cases call the CLI's own `main()` in this process (the path the `kvplane` script takes);
@@ -120,6 +120,15 @@ def test_replay_reads_a_good_store_without_writing_to_it(kvplane: Kvplane, tmp_p
     code, out, err = kvplane("runs", "--db", db)
     assert code == 0 and run[:8] in out  # the table shows short ids
     assert Path(db).read_bytes() == before
+
+
+def test_a_file_it_cannot_write_is_one_clear_line(kvplane: Kvplane, tmp_path: Path) -> None:
+    db = str(tmp_path / "good.db")
+    run = record(db)
+    target = tmp_path / "no-such-folder" / "run.csv"
+    code, _out, err = kvplane("export", run, "--db", db, "--out", str(target))
+    assert code == 2 and one_line(err) == f"{target}: No such file or directory"
+    assert not target.parent.exists()
 
 
 def test_replay_refuses_a_run_from_a_newer_event_schema(
