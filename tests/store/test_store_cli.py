@@ -1,6 +1,7 @@
 """What `kvplane runs` and `kvplane replay` say about a store that is missing, damaged, foreign
-or newer, a run that cannot be read, or a file it cannot write: one line on stderr, a non-zero exit, no traceback
-(unless `--debug` or KVPLANE_DEBUG=1), and never a store created by a read.
+or newer, a run that cannot be read, or a file it cannot write: one line on stderr, a
+non-zero exit, no traceback (unless `--debug` or KVPLANE_DEBUG=1), and never a store created
+by a read.
 
 Most cases call the CLI's own `main()` in this process (the path the `kvplane` script takes);
 the first runs the real `kvplane` command in a subprocess.
