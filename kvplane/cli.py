@@ -16,6 +16,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from kvplane.cli_paths import writable_file
+
 app = typer.Typer(
     help=(
         "kvplane: plan, run and see KV-cache movement in vLLM prefill/decode disaggregation.\n\n"
@@ -82,11 +84,12 @@ def sim_run(
     scenario: Annotated[str, typer.Argument(help="Scenario YAML file, or a bundled name "
                                             "(seed_push_vs_pull, seed_bidirectional).")],
     db: DbOpt = None,
-    out: Annotated[Optional[Path], typer.Option(help="Write the summary JSON here.")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        callback=writable_file, help="Write the summary JSON here.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Override the scenario's seed.")] = None,  # noqa: UP045
     requests: Annotated[Optional[int], typer.Option(  # noqa: UP045
         min=1, help="Override the requests per point (a quick look).")] = None,
-    jobs: Annotated[int, typer.Option(help="Sweep points run in parallel processes.")] = 0,
+    jobs: Annotated[int, typer.Option(min=0, help="Sweep points run in parallel processes.")] = 0,
     no_record: Annotated[bool, typer.Option("--no-record",
                                             help="Do not write events to the store.")] = False,
     engine: EngineOpt = "local",
@@ -146,9 +149,10 @@ def _roll_up(summary: dict[str, Any], db: str | None) -> None:
 
 @app.command()
 def validate(
-    out: Annotated[Optional[Path], typer.Option(help="Also write the table as Markdown here "  # noqa: UP045
-                                                "(e.g. docs/validation.md).")] = None,
-    jobs: Annotated[int, typer.Option(help="Parallel processes.")] = 0,
+    out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        callback=writable_file, help="Also write the table as Markdown here "
+        "(e.g. docs/validation.md).")] = None,
+    jobs: Annotated[int, typer.Option(min=0, help="Parallel processes.")] = 0,
     seeds: Annotated[int, typer.Option(min=1, help="Seeds per figure (mean and 95 % interval).")] = 10,
     calibration: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Calibration profile (name or YAML from `kvplane calibrate fit`); default: the "
@@ -208,7 +212,7 @@ def plan(
     engine: EngineOpt = "local",
     address: AddressOpt = None,
     topology_out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
-        "--topology-out", help="Write the chosen configuration as a `kvplane deploy` "
+        "--topology-out", callback=writable_file, help="Write the chosen configuration as a `kvplane deploy` "
         "topology YAML here.")] = None,
     model: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="With --topology-out: the model path or hub id for vLLM (default: the "
@@ -383,7 +387,8 @@ def calibrate_nixl(
                                         "GPUs when present: one per process).")] = "cpu",
     mib: Annotated[int, typer.Option(help="Buffer size per side, MiB.")] = 256,
     repeats: Annotated[int, typer.Option(help="Repeats per figure (the median is kept).")] = 5,
-    out: Annotated[Optional[Path], typer.Option(help="Also write the YAML block here.")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        callback=writable_file, help="Also write the YAML block here.")] = None,
 ) -> None:
     """Time NIXL WRITE/READ bandwidth, per-descriptor cost, latency and set-up costs between
     two processes, moving real bytes, and print them as a sourced hardware-profile block."""
@@ -405,7 +410,8 @@ def calibrate_fit(
         help="Calibration to start from (its unfitted constants are kept); default: the "
         "bundled one for the seed scenarios.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Name of the new profile.")] = None,  # noqa: UP045
-    out: Annotated[Optional[Path], typer.Option(help="Write the calibration YAML here.")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        callback=writable_file, help="Write the calibration YAML here.")] = None,
     hold: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
         help="NAME=VALUE: keep a constant at a value instead of fitting it (e.g. "
         "prefill_request_overhead=0 to remove that delay); repeatable.")] = None,
@@ -466,7 +472,8 @@ def calibrate_live(
         help="Scenario the run ran under (model, hardware, engine); default: the run's own "
         "(meta.scenario).")] = None,
     name: Annotated[Optional[str], typer.Option(help="Name of the new profile.")] = None,  # noqa: UP045
-    out: Annotated[Optional[Path], typer.Option(help="Write the calibration YAML here.")] = None,  # noqa: UP045
+    out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        callback=writable_file, help="Write the calibration YAML here.")] = None,
     predict: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Another recorded run to predict with the fit: its twins' TTFT percentiles "
         "against its recorded ones.")] = None,

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from kvplane.cli_paths import writable_file
+
 DbOpt = Annotated[
     Optional[str],  # noqa: UP045 (typer needs Optional on 3.11)
     typer.Option("--db", help="Event store URL (sqlite:///file.db or postgresql+psycopg://...)."),
@@ -132,7 +134,7 @@ def export(
     db: DbOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="csv, parquet or json.")] = "csv",
     out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
-        "--out", "-o", help="File to write (default: <run prefix>.<format>; `-`: stdout, "
+        "--out", "-o", callback=writable_file, help="File to write (default: <run prefix>.<format>; `-`: stdout, "
         "csv and json only).")] = None,
 ) -> None:
     """Write one row per request (a sweep: of every point, with a `run` column): arrival,

@@ -50,10 +50,14 @@ def test_every_commands_and_options_help_is_printed_whole() -> None:
     (["plan", "seed_push_vs_pull", "--max-instances", "1"], "'--max-instances'"),
     (["validate", "--seeds", "0"], "'--seeds'"),
     (["calibrate", "live", "A", "--seeds", "0"], "'--seeds'"),
+    (["sim", "run", "seed_push_vs_pull", "--out", "/nonexistent/o.json"], "'--out'"),
+    (["validate", "--out", "/nonexistent/v.md"], "'--out'"),
+    (["plan", "seed_push_vs_pull", "--topology-out", "/"], "'--topology-out'"),
 ])
-def test_an_impossible_number_is_refused_naming_the_option(args: list[str], option: str) -> None:
+def test_an_impossible_value_is_refused_naming_the_option(args: list[str], option: str) -> None:
     """Refused before any work starts (no progress bar, no model error naming internal
-    fields), exit code 2, the option named as the user typed it."""
+    fields, no run that ends by failing to write its result), exit code 2, the option named
+    as the user typed it."""
     got = CliRunner().invoke(app, args, env={"COLUMNS": "4000"}, terminal_width=4000)
     assert got.exit_code == 2, got.output
     assert option in got.output, got.output
