@@ -153,7 +153,8 @@ def validate(
         callback=writable_file, help="Also write the table as Markdown here "
         "(e.g. docs/validation.md).")] = None,
     jobs: Annotated[int, typer.Option(min=0, help="Parallel processes.")] = 0,
-    seeds: Annotated[int, typer.Option(min=1, help="Seeds per figure (mean and 95 % interval).")] = 10,
+    seeds: Annotated[int, typer.Option(
+        min=1, help="Seeds per figure (mean and 95 % interval).")] = 10,
     calibration: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="Calibration profile (name or YAML from `kvplane calibrate fit`); default: the "
         "bundled one of each scenario's (model kind, hardware).")] = None,
@@ -194,8 +195,9 @@ def plan(
     tpot_p90_ms: Annotated[float, typer.Option(callback=_positive,
                                                help="SLO: p90 TPOT in ms.")] = 50.0,
     qps: Annotated[Optional[float], typer.Option(  # noqa: UP045
-        "--qps", "--rate", callback=_positive, help="Rate to plan for: requests/s (multi-turn: new "
-        "conversations/s). Default: the scenario's highest swept rate.")] = None,
+        "--qps", "--rate", callback=_positive, help="Rate to plan for: requests/s "
+        "(multi-turn: new conversations/s). Default: the scenario's highest swept rate.")
+    ] = None,
     input_len: Annotated[Optional[int], typer.Option(  # noqa: UP045
         min=1, help="Input tokens (multi-turn: first prompt). Default: the longest swept.")
     ] = None,
@@ -212,8 +214,8 @@ def plan(
     engine: EngineOpt = "local",
     address: AddressOpt = None,
     topology_out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
-        "--topology-out", callback=writable_file, help="Write the chosen configuration as a `kvplane deploy` "
-        "topology YAML here.")] = None,
+        "--topology-out", callback=writable_file, help="Write the chosen configuration as a "
+        "`kvplane deploy` topology YAML here.")] = None,
     model: Annotated[Optional[str], typer.Option(  # noqa: UP045
         help="With --topology-out: the model path or hub id for vLLM (default: the "
         "profile's name).")] = None,

@@ -134,8 +134,8 @@ def export(
     db: DbOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="csv, parquet or json.")] = "csv",
     out: Annotated[Optional[Path], typer.Option(  # noqa: UP045
-        "--out", "-o", callback=writable_file, help="File to write (default: <run prefix>.<format>; `-`: stdout, "
-        "csv and json only).")] = None,
+        "--out", "-o", callback=writable_file, help="File to write (default: <run "
+        "prefix>.<format>; `-`: stdout, csv and json only).")] = None,
 ) -> None:
     """Write one row per request (a sweep: of every point, with a `run` column): arrival,
     tokens, conversation and turn, routing, TTFT, TPOT, E2E (seconds), ok."""

@@ -520,21 +520,23 @@ class Router(ContactsMixin, LeasesMixin):
 
     async def _post(self, up: Upstream, turn: Turn, body: Mapping[str, Any],
                     timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        """POST a leg; sent once more if the instance closed the pooled
-        connection before answering (its keep-alive ran out as the leg went out: it never
-        read the leg). A refused or timed-out connection, or a break after the answer began,
-        is not retried."""
-        for attempt in (0, 1):
-            try:
-                return await self.session.post(up.url + turn.path, json=body,
-                                               headers=self._headers(turn), timeout=timeout)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
-                    raise
-                log.info("%s closed a pooled connection before answering %s's %s leg (%s); "
-                         "sending it again", up.id, turn.id, up.role, exc)
-                self.metrics.stale_retries.labels(up.role, up.id).inc()
-        raise AssertionError("unreachable")
+        """POST a leg; sent once more if the instance closed the pooled connection before
+        answering (its keep-alive ran out as the leg went out: it never read the leg). A
+        refused or timed-out connection, a second close, or a break after the answer began is
+        not retried."""
+        def send() -> Any:  # aiohttp's request context: awaited, the response
+            return self.session.post(up.url + turn.path, json=body, headers=self._headers(turn),
+                                     timeout=timeout)
+
+        try:
+            return await send()
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+            log.info("%s closed a pooled connection before answering %s's %s leg (%s); "
+                     "sending it again", up.id, turn.id, up.role, exc)
+            self.metrics.stale_retries.labels(up.role, up.id).inc()
+        return await send()
 
     async def _prefill_leg(self, turn: Turn, reuse: Mapping[str, Any] | None) -> dict[str, Any]:
         """Prefill's one-token leg; its answer (JSON object) or `UpstreamError`."""

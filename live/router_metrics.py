@@ -88,8 +88,8 @@ class RouterMetrics:
         )
         self.stale_retries = Counter(
             "kvplane_router_stale_connection_retries",
-            "Legs sent again on a new connection after an instance closed a pooled idle one "
-            "before answering.", ["role", "instance"], registry=r,
+            "Legs sent again after an instance closed the pooled idle connection they went out "
+            "on before answering.", ["role", "instance"], registry=r,
         )
         self.recorder_failures = Counter(
             "kvplane_router_recorder_failures",

@@ -1144,16 +1144,13 @@ class Instance:
             if self.expiry_timers.get(lease) != at:
                 return  # an earlier deadline armed another timer since
             del self.expiry_timers[lease]
-            ls = self.core.leases.leases.get(lease)
-            if ls is None:
-                return
-            if ls.expires_at > env.now and not ls.pins:
-                self._arm_expiry(lease, ls.expires_at)
-                return
-            self.do(LeaseTick(lease))
-            ls = self.core.leases.leases.get(lease)
+            leases = self.core.leases.leases
+            ls = leases.get(lease)
+            if ls is not None and (ls.pins or ls.expires_at <= env.now):
+                self.do(LeaseTick(lease))  # due, or a pin's bound to check
+                ls = leases.get(lease)
             if ls is not None and ls.expires_at > env.now:
-                self._arm_expiry(lease, ls.expires_at)
+                self._arm_expiry(lease, ls.expires_at)  # renewed past this timer
 
         env.timeout(max(at - env.now, 0.0)).callbacks.append(fire)
 

@@ -1,6 +1,7 @@
-"""Every `kvplane` command's --help shows its own and each option's help text whole: Typer renders help
-through Rich markup, which silently drops a bracketed word it takes for a style tag
-(`pip install 'kvplane[ray]'` printed as `pip install 'kvplane'`)."""
+"""Every `kvplane` command's --help shows its own and each option's help text whole: Typer
+renders help through Rich markup, which silently drops a bracketed word it takes for a style
+tag (`pip install 'kvplane[ray]'` printed as `pip install 'kvplane'`). And a value no run can
+use is refused before any work, naming the option."""
 
 from __future__ import annotations
 

@@ -41,15 +41,13 @@ def _require_nixl() -> None:
 
 
 LOG_TAIL_LINES = 25
+_dirs_before = pytest.StashKey[int]()  # log folders made before a test began
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
     item.stash[_dirs_before] = len(_servers.CREATED_LOG_DIRS)
     return (yield)
-
-
-_dirs_before = pytest.StashKey[int]()
 
 
 @pytest.hookimpl(wrapper=True)
