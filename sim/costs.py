@@ -841,6 +841,11 @@ class SimCosts:
         host)."""
         return {k: tuple(v.quantiles) for k, v in self.calibration.host_slowdown.items()}
 
+    def host_hop_correlation(self) -> float:
+        """How alike one request's hop slowdowns are (0: each hop draws on its own)."""
+        rho = self.calibration.host_hop_correlation
+        return 0.0 if rho is None else rho.value
+
     def host_state_bins(self) -> tuple[float, tuple[float, ...],
                                         dict[str, tuple[tuple[float, ...], ...]]] | None:
         """The calibration's slowdown conditioned on the host's state: (averaging window in

@@ -31,6 +31,7 @@ import bisect
 import functools
 import hashlib
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class Costs(Protocol):
     def response_leg(self) -> float: ...
     def transfer_setup(self) -> float: ...
     def host_slowdown_quantiles(self) -> dict[str, tuple[float, ...]]: ...
+    def host_hop_correlation(self) -> float: ...
     def host_state_bins(self) -> tuple[float, tuple[float, ...],
                                         dict[str, tuple[tuple[float, ...], ...]]] | None: ...
     def empty_step_time(self) -> float: ...
@@ -189,6 +191,7 @@ class SimRequest:
     last_token: float = -1.0  # when decode's last step for it ended
     itl: list[tuple[float, int]] = field(default_factory=list)
     rank: int = -1  # its place in its workload's arrival order (a streaming summary's warm-up)
+    host_z: float = math.nan  # its hops' shared factor of the host's slowdown, once drawn
 
 
 @dataclass(slots=True)
@@ -622,6 +625,7 @@ def with_runs(arr: np.ndarray, ids: list[int]) -> tuple[int, ...]:
 
 # lists this long are handed out with their runs whether or not a recorder listens: per run,
 # the core's checks and plans and `ids_array` cost less than per id from about here on
+_SQRT2 = math.sqrt(2.0)
 RUNS_FROM = 256
 
 
@@ -1205,7 +1209,7 @@ class PrefillInstance(Instance):
             self.poke()
 
         costs = self.sim.costs
-        delay = costs.request_overhead() + self.sim.hop(costs.request_leg(), "request_leg")
+        delay = costs.request_overhead() + self.sim.hop(costs.request_leg(), "request_leg", r)
         self.sim.env.timeout(delay).callbacks.append(enqueue)
 
     def local_hits(self, r: SimRequest) -> list[int]:
@@ -1400,7 +1404,7 @@ class PrefillInstance(Instance):
                 if c + n >= r.prompt:
                     self.running.remove(r)
                     del self.progress[r.id]
-                    self.finish_after(r, self.sim.hop(t, "prefill_step") - t)
+                    self.finish_after(r, self.sim.hop(t, "prefill_step", r) - t)
 
     def finish_after(self, r: SimRequest, delay: float) -> None:
         """Finish now, or `delay` later: on a shared host a request's last step can end late
@@ -1452,7 +1456,7 @@ class PrefillInstance(Instance):
             r.transfer_start = env.now
             prep = costs.descriptor_prep_time(plan.descriptors, inline=False)
             env.timeout(prep + self.connect(plan.dst)
-                        + self.sim.hop(costs.transfer_setup(), "transfer")
+                        + self.sim.hop(costs.transfer_setup(), "transfer", r)
                         ).callbacks.append(post)
 
         def post(_: Any) -> None:
@@ -1535,7 +1539,7 @@ class DecodeInstance(Instance):
             self.waiting.append(r)
             self.on_freed()
 
-        leg = self.sim.hop(self.sim.costs.request_leg(), "request_leg")
+        leg = self.sim.hop(self.sim.costs.request_leg(), "request_leg", r)
         if leg > 0:
             self.sim.env.timeout(leg).callbacks.append(arrive)
         else:
@@ -1735,7 +1739,7 @@ class DecodeInstance(Instance):
         # KV received -> first token at the client is one hop on a shared host: this wait,
         # the request's first step and the response leg, slowed together
         step, leg = costs.decode_step_time(1, r.prompt), costs.response_leg()
-        notice = self.sim.hop(wait + step + leg, "first_token") - step - leg
+        notice = self.sim.hop(wait + step + leg, "first_token", r) - step - leg
         self.sim.env.timeout(max(notice, 0.0)).callbacks.append(join)
 
     def fallback(self, r: SimRequest) -> None:
@@ -1767,7 +1771,7 @@ class DecodeInstance(Instance):
             self._pull_wire(r, pf, wire)
             return
         # the connector's own work (pin, prepare, post, poll): not the link's
-        whole = self.sim.hop(setup + wire, "transfer")
+        whole = self.sim.hop(setup + wire, "transfer", r)
         env.timeout(max(whole - wire, 0.0)).callbacks.append(
             lambda _: self._pull_wire(r, pf, min(wire, whole)))
 
@@ -2198,7 +2202,7 @@ class Router:
         sim = self.sim
         # prefill's answer comes back through the router (`response_leg`)
         yield sim.env.timeout(sim.costs.message_latency()
-                              + sim.hop(sim.costs.response_leg(), "response_leg"))
+                              + sim.hop(sim.costs.response_leg(), "response_leg", r))
         r.prefill_answered = sim.env.now
         r.decode = self.pick_decode(r)  # pull: decode chosen after prefill, freshest load
         hold_id = P.hold_lease_id(r.id, 0)
@@ -2299,7 +2303,7 @@ class Router:
         prep = sim.costs.descriptor_prep_time(descriptors, inline=False)
         yield env.timeout(pf.connect(d.name) + prep
                           + sim.hop(sim.costs.reuse_read_setup() + sim.costs.transfer_setup(),
-                                    "transfer"))
+                                    "transfer", r))
         with d.nic.request() as link:
             yield link
             yield env.timeout(sim.costs.transfer_time(plan.bytes, descriptors,
@@ -2347,6 +2351,10 @@ class Simulation:
         self._host_timeline: HostTimeline | None = None
         self.slowed_steps = "decode_step" in self._host_quantiles
         self._host_rng = np.random.default_rng(self.seed_for("host"))
+        # one request's hops share a factor of their slowdown (a Gaussian copula): weights
+        # of the shared and of each hop's own standard normal draw
+        rho = costs.host_hop_correlation()
+        self._host_shared, self._host_own = math.sqrt(rho), math.sqrt(1.0 - rho)
         self.requests: dict[str, SimRequest] = {}
         self.done: list[SimRequest] = []
         self.finished_count = 0
@@ -2366,12 +2374,14 @@ class Simulation:
         hop draws from all the factors of its kind."""
         self._host_timeline = timeline
 
-    def hop(self, cost: float, kind: str) -> float:
+    def hop(self, cost: float, kind: str, r: SimRequest | None = None) -> float:
         """How long a hop of priced `cost` takes on the host: the cost itself on a dedicated
         host; on a shared one, slowed by one draw of the calibration's slowdown of hops of
         that kind (request_leg, response_leg, prefill_step, transfer, first_token,
         decode_step): of those recorded while the host's run queue was in the bin it is in
-        now (`follow_host`), or of all of them."""
+        now (`follow_host`), or of all of them. The hops of one request `r` draw alike as the
+        calibration's `host_hop_correlation` says: the probability a hop draws at is the
+        normal CDF of the request's shared factor and the hop's own, weighted by it."""
         q = self._host_quantiles.get(kind, ())
         if not q or cost <= 0:
             return cost
@@ -2383,7 +2393,15 @@ class Simulation:
         # linear between them: each factor weighs 1/n, the extremes too, so the draws' mean
         # is the recorded one (at probabilities i / (n - 1) the two extremes weighed half, and
         # one 15 s stall among 192 recorded answers lost half its weight in the twin)
-        x = self._host_rng.random() * len(q) - 0.5
+        if r is not None and self._host_shared > 0.0:
+            z = r.host_z
+            if math.isnan(z):  # the request's first hop draws its shared factor
+                z = r.host_z = float(self._host_rng.standard_normal())
+            mixed = self._host_shared * z + self._host_own * self._host_rng.standard_normal()
+            u = 0.5 * (1.0 + math.erf(mixed / _SQRT2))
+        else:
+            u = self._host_rng.random()
+        x = u * len(q) - 0.5
         if x <= 0.0:
             return cost * q[0]
         i = int(x)

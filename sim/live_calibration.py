@@ -18,6 +18,8 @@ shared host only ever slows a hop:
 | `compute_utilization` | the slope of that line |
 | `host_slowdown` | per hop kind (request leg, response leg, prefill step, transfer, the first token's: KV received -> the router's first token, i.e. an empty step to notice the KV, one to compute, the response leg; and a decode step: the time per output token after the first), recorded duration over priced cost: how much the host slowed that kind of hop, as all of them (drawn with each weighing 1/n: the i-th at probability (i + 1/2)/n) |
 
+| `host_hop_correlation` | how alike one request's hop slowdowns are: each hop's normal score (its rank among the hops of its kind, in its run-queue bin), the mean product over pairs of hops of the same request, over the mean square. A twin's request draws its hops through one shared normal factor with this weight (a Gaussian copula), so a request that meets a slow host meets it on several hops, as recorded, instead of every hop drawing on its own |
+
 Only pull-mode requests without a reuse read are used (the shape of every leg is then known).
 What a run cannot show stays as it was in the prior calibration (memory and network
 efficiency, `prefill_request_overhead`, `reuse_read_setup`): the fit says so. Every fitted value
@@ -124,14 +126,15 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
     without a reuse read; also `ttft` and `tpot` as the router recorded them, and
     `decode_token`: the router's time from the first token to the last over the tokens made
     after the first. `at:<kind>` holds, in the same order, when each hop of `<kind>` began
-    (seconds since the epoch)."""
+    (seconds since the epoch), and `who:<kind>` which request it was (its place in the run)."""
     out: dict[str, list[float]] = defaultdict(list)
 
     def hop(kind: str, start: float, end: float) -> None:
         out[kind].append(end - start)
         out[f"at:{kind}"].append(start)  # when it began (the host's state then)
+        out[f"who:{kind}"].append(float(who))  # whose: one request's hops, drawn alike
 
-    for t in _traces(store, run_id).values():
+    for who, t in enumerate(_traces(store, run_id).values()):
         router = t.arrived.get("router")
         if router is None or t.mode != "pull" or t.d2p or t.first_token is None:
             continue
@@ -347,6 +350,44 @@ def _by_state(xf: list[tuple[float, float]], edges: list[float]) -> list[list[fl
     return out
 
 
+MIN_HOP_PAIRS = 30  # fewer pairs of one request's hops: no correlation fitted
+
+
+def _hop_correlation(hops: Mapping[str, list[tuple[float, float, float]]],
+                     timeline: HostTimeline | None, edges: list[float] | None
+                     ) -> tuple[float, int] | None:
+    """(rho, pairs): how alike the host's slowdowns of one request's hops are, from
+    (factor, began, request) per hop kind. Each hop's slowdown becomes a normal score (its
+    rank among the hops of its kind, in its run-queue bin when the host was sampled, through
+    the normal quantile function), so neither the kinds' scales nor the host's state, which
+    the bins already condition on, counts; rho is the mean product of two hops of the same
+    request over the mean square, at least 0. None with fewer than MIN_HOP_PAIRS pairs."""
+    normal = statistics.NormalDist()
+    by_request: dict[float, list[float]] = defaultdict(list)
+    for fs in hops.values():
+        groups: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for f, at, who in fs:
+            cell = (state_bin(edges, timeline.at(at))
+                    if edges is not None and timeline is not None else 0)
+            groups[cell].append((f, who))
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            for rank, (_, who) in enumerate(sorted(group)):
+                by_request[who].append(normal.inv_cdf((rank + 0.5) / len(group)))
+    cross = square = 0.0
+    pairs = count = 0
+    for zs in by_request.values():
+        total = sum(zs)
+        cross += (total * total - sum(z * z for z in zs)) / 2.0
+        pairs += len(zs) * (len(zs) - 1) // 2
+        square += sum(z * z for z in zs)
+        count += len(zs)
+    if pairs < MIN_HOP_PAIRS or square <= 0:
+        return None
+    return min(max((cross / pairs) / (square / count), 0.0), 0.95), pairs
+
+
 def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: HardwareProfile,
              prior: CalibrationProfile, name: str | None = None, block_size: int = 16,
              link: Literal["network", "nvlink"] = "network",
@@ -478,6 +519,13 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
     if host_samples is None:
         host_samples = store.run(run_id).meta.get("host_samples") or None
     state, timeline = _host_state(run_id, factors, host_samples)
+    whose = {"request_leg": "request_leg", "response_leg": "response_leg",
+             "transfer": "p2d_transfer", "prefill_step": "prefill_step",
+             "first_token": "kv_to_first_token"}  # decode steps are the batch's, not one's
+    alike = _hop_correlation({
+        kind: [(max(x, 0.0) / cost, at, w) for (x, cost), at, w in zip(
+            pairs[kind], began[kind], iv.get(f"who:{key}", []), strict=True) if cost > 0]
+        for kind, key in whose.items()}, timeline, None if state is None else state.edges)
     # every recorded factor is kept, ascending (a twin draws each with weight 1/n): a
     # coarse table (21 quantiles) interpolates its top 5 % of draws between the 95th percentile
     # and the run's one worst stall, so one 20 s stall among 192 hops weighed as 5 % of draws
@@ -528,6 +576,12 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
             f"derived: kvplane calibrate live {run_id}: the recorded legs replace it")),
         "host_slowdown": slowdown,
         "host_state": state,
+        "host_hop_correlation": None if alike is None else _fitted(
+            alike[0], "fraction", run_id, list(whose.values()),
+            f"mean product of the normal scores of one request's hop slowdowns over "
+            f"{alike[1]} pairs of hops of the same request (each hop's score: its rank among "
+            "the run's hops of its kind" + (" in its run-queue bin" if state else "") + "), "
+            "over their mean square"),
     }
     kept = ["memory_bandwidth_utilization", "network_utilization", "reuse_read_setup",
             *(["compute_utilization"] if flat else [])]
@@ -548,7 +602,7 @@ def describe(fit: LiveFit) -> list[str]:
     lines.append("constants:")
     for k in ("request_leg", "response_leg", "transfer_setup", "transfer_per_descriptor",
               "step_overhead", "compute_utilization", "graph_step_overhead", "launch_floor",
-              "empty_step"):
+              "empty_step", "host_hop_correlation"):
         c = getattr(fit.calibration, k)
         if c is None:
             continue

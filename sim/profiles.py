@@ -648,6 +648,12 @@ class CalibrationProfile(_Profile):
     host_state: HostState | None = Field(
         default=None, description="the host's state the slowdown is conditioned on (none: "
         "drawn from all recorded factors of the hop kind)")
+    host_hop_correlation: Fitted | None = Field(
+        default=None, json_schema_extra={"unit": "fraction"}, description="how alike the host's slowdowns of one request's hops are "
+        "(its legs, prefill step, answer, transfers, first token: the same few hundred ms, "
+        "mostly the same processes): the correlation of their normal scores, one factor shared "
+        "by a request's hops (a Gaussian copula). Measured from a live run; unset or zero, "
+        "every hop draws on its own [fraction]")
     scenario_choices: list[ScenarioChoice] = Field(
         default_factory=list,
         description="scenario inputs chosen with published figures in view (their figures "
@@ -656,6 +662,9 @@ class CalibrationProfile(_Profile):
 
     @model_validator(mode="after")
     def _bins_match(self) -> CalibrationProfile:
+        rho = self.host_hop_correlation
+        if rho is not None and not 0.0 <= rho.value < 1.0:
+            raise ValueError("host_hop_correlation must be at least 0 and less than 1")
         bins = len(self.host_state.edges) + 1 if self.host_state is not None else 0
         for kind, hs in self.host_slowdown.items():
             if hs.by_state and len(hs.by_state) != bins:
