@@ -19,8 +19,8 @@ In one session on this machine:
 4. simulate the twin of AB (the recorded arrivals of both workloads, which shared the engines,
    and the host's run queue sampled during the run; no TTFT and no hop duration of B) under the
    fitted calibration, over 30 seeds, each hop's slowdown drawn given the run queue at its
-   simulated time, and compare B's requests' TTFT percentiles with the router's recorded ones
-   (`predict_groups`).
+   simulated time, one request's hops alike as A's were (`host_hop_correlation`), and
+   compare B's requests' TTFT percentiles with the router's recorded ones (`predict_groups`).
 
 The verdict, the issue's target and the project's interval rule (sim.stats, validate): a pass
 needs p50 within 10 % and p90 within 20 %; a prediction outside that but within the target of
@@ -135,8 +135,8 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
     # the prediction of B: within the target of the recorded percentile's 90 % interval at
     # least (else a failure); within the target of the percentile itself for a pass
     # B's verdict: the target is met in most sessions, not all, on this shared host
-    # (docs/validation.md: recorded together, the whole target in 6 of 12 sessions, the other
-    # six "sampling"): a miss is an expected failure that names its kind and the host it met,
+    # (docs/validation.md: recorded together, the whole target in 8 of the 12 sessions of 2 Dec
+    # re-predicted with one request's hops drawn alike, and in the 4 run since): a miss is an expected failure that names its kind and the host it met,
     # never a silent pass
     missed = [v for v in verdicts.values() if v != "pass"]
     if missed:
