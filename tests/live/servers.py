@@ -83,10 +83,38 @@ def log_dir(suite: str) -> Path:
     return path
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives an outgoing connection (Linux's default: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, below the kernel's ephemeral range, not handed out before
+    in this process. Not port 0's pick: that comes from the ephemeral range, and in the seconds
+    before a vLLM server binds it, any outgoing connection (the engines' own, NIXL's, HTTP
+    clients') may take it as its local port; a decode server's side channel then failed with
+    "Address already in use" (2 Dec, back-to-back live-prediction runs)."""
+    low = _ephemeral_low()
+    top = low if low > 21000 else 65535
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(20000, top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in 20000-{top} after 500 tries")
 
 
 @dataclass

@@ -252,15 +252,9 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def _free_ports(n: int) -> list[int]:
-    import socket
+    import kvplane_live_servers
 
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    return [kvplane_live_servers.free_port() for _ in range(n)]
 
 
 def test_script_starts_everything_and_waits_for_health(tmp_path: Path) -> None:
