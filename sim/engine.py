@@ -623,9 +623,9 @@ def with_runs(arr: np.ndarray, ids: list[int]) -> tuple[int, ...]:
     return RunBlocks(ids, tuple(runs))
 
 
+_SQRT2 = math.sqrt(2.0)
 # lists this long are handed out with their runs whether or not a recorder listens: per run,
 # the core's checks and plans and `ids_array` cost less than per id from about here on
-_SQRT2 = math.sqrt(2.0)
 RUNS_FROM = 256
 
 
