@@ -135,8 +135,8 @@ def test_calibrated_on_one_live_run_predicts_another() -> None:
     # the prediction of B: within the target of the recorded percentile's 90 % interval at
     # least (else a failure); within the target of the percentile itself for a pass
     # B's verdict: the target is met in most sessions, not all, on this shared host
-    # (docs/validation.md: recorded together, the whole target in 10 of the 16 sessions of 2 Dec
-    # predicted with one request's hops drawn alike, 6 of the 8 run since): a miss is an expected failure that names its kind and the host it met,
+    # (docs/validation.md: recorded together, the whole target in 10 of the 17 sessions of 2 Dec
+    # predicted with one request's hops drawn alike, 6 of the 9 run since): a miss is an expected failure that names its kind and the host it met,
     # never a silent pass
     missed = [v for v in verdicts.values() if v != "pass"]
     if missed:
