@@ -162,6 +162,7 @@ def intervals(store: EventStore, run_id: str) -> dict[str, list[float]]:
         if t.finished is not None and t.max_tokens > 1:  # after the first token, per token
             out["decode_token"].append((t.finished - t.first_token) / (t.max_tokens - 1))
             out["at:decode_token"].append(t.first_token)
+            out["who:decode_token"].append(float(who))
             out["decode_context"].append(float(t.prompt + t.max_tokens / 2))
     return dict(out)
 
@@ -313,7 +314,7 @@ MIN_PER_BIN = 8  # fewer hops of a kind in a bin: it borrows its neighbours'
 MIN_HOST_SAMPLES = 20  # fewer samples: no conditioning
 
 
-def _host_state(run_id: str, factors: dict[str, list[tuple[float, float]]],
+def _host_state(run_id: str, factors: dict[str, list[tuple[float, float, float]]],
                 samples: Sequence[Sequence[float]] | None
                 ) -> tuple[HostState | None, HostTimeline | None]:
     """Bins of the host's run queue, cut so the run's hops fill them equally (None without
@@ -321,7 +322,7 @@ def _host_state(run_id: str, factors: dict[str, list[tuple[float, float]]],
     if not samples or len(samples) < MIN_HOST_SAMPLES:
         return None, None
     timeline = HostTimeline.from_samples(samples, HOST_WINDOW)
-    xs = sorted(timeline.at(at) for fs in factors.values() for _, at in fs)
+    xs = sorted(timeline.at(at) for fs in factors.values() for _, at, _ in fs)
     edges = sorted({_q(xs, i / HOST_BINS) for i in range(1, HOST_BINS)}) if xs else []
     if not edges:
         return None, None
@@ -509,32 +510,28 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
                         for d, c in zip(iv.get("decode_token", []), iv.get("decode_context", []),
                                         strict=True)],
     }
-    began = {"request_leg": iv["at:request_leg"], "response_leg": iv["at:response_leg"],
-             "transfer": iv["at:p2d_transfer"], "prefill_step": iv["at:prefill_step"],
-             "first_token": iv["at:kv_to_first_token"],
-             "decode_step": iv.get("at:decode_token", [])}
-    factors = {kind: [(max(x, 0.0) / cost, at) for (x, cost), at in zip(xs, began[kind],
-                                                                         strict=True) if cost > 0]
-               for kind, xs in pairs.items()}
+    # each hop kind's intervals: when each hop began (the host's state then) and whose it was
+    interval_of = {"request_leg": "request_leg", "response_leg": "response_leg",
+                   "transfer": "p2d_transfer", "prefill_step": "prefill_step",
+                   "first_token": "kv_to_first_token", "decode_step": "decode_token"}
+    factors = {kind: [(max(x, 0.0) / cost, at, who) for (x, cost), at, who in zip(
+        pairs[kind], iv.get(f"at:{key}", []), iv.get(f"who:{key}", []), strict=True) if cost > 0]
+        for kind, key in interval_of.items()}
     if host_samples is None:
         host_samples = store.run(run_id).meta.get("host_samples") or None
     state, timeline = _host_state(run_id, factors, host_samples)
-    whose = {"request_leg": "request_leg", "response_leg": "response_leg",
-             "transfer": "p2d_transfer", "prefill_step": "prefill_step",
-             "first_token": "kv_to_first_token"}  # decode steps are the batch's, not one's
-    alike = _hop_correlation({
-        kind: [(max(x, 0.0) / cost, at, w) for (x, cost), at, w in zip(
-            pairs[kind], began[kind], iv.get(f"who:{key}", []), strict=True) if cost > 0]
-        for kind, key in whose.items()}, timeline, None if state is None else state.edges)
+    # one request's hops, alike; decode steps are the batch's, not one request's
+    whose = {kind: fs for kind, fs in factors.items() if kind != "decode_step"}
+    alike = _hop_correlation(whose, timeline, None if state is None else state.edges)
     # every recorded factor is kept, ascending (a twin draws each with weight 1/n): a
     # coarse table (21 quantiles) interpolates its top 5 % of draws between the 95th percentile
     # and the run's one worst stall, so one 20 s stall among 192 hops weighed as 5 % of draws
     slowdown: dict[str, HostSlowdown] = {}
     for kind, fs in factors.items():
-        slow = sorted(f for f, _ in fs)
+        slow = sorted(f for f, _, _ in fs)
         if slow:
             by_state = ([] if state is None or timeline is None else
-                        _by_state([(timeline.at(at), f) for f, at in fs], state.edges))
+                        _by_state([(timeline.at(at), f) for f, at, _ in fs], state.edges))
             slowdown[kind] = HostSlowdown(
                 quantiles=slow if len(slow) > 1 else slow * 2, by_state=by_state,
                 fitted_to=[f"live:{run_id}:{kind}"],
@@ -577,7 +574,7 @@ def fit_live(store: EventStore, run_id: str, model: ModelProfile, hardware: Hard
         "host_slowdown": slowdown,
         "host_state": state,
         "host_hop_correlation": None if alike is None else _fitted(
-            alike[0], "fraction", run_id, list(whose.values()),
+            alike[0], "fraction", run_id, [interval_of[kind] for kind in whose],
             f"mean product of the normal scores of one request's hop slowdowns over "
             f"{alike[1]} pairs of hops of the same request (each hop's score: its rank among "
             "the run's hops of its kind" + (" in its run-queue bin" if state else "") + "), "

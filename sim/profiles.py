@@ -649,11 +649,12 @@ class CalibrationProfile(_Profile):
         default=None, description="the host's state the slowdown is conditioned on (none: "
         "drawn from all recorded factors of the hop kind)")
     host_hop_correlation: Fitted | None = Field(
-        default=None, json_schema_extra={"unit": "fraction"}, description="how alike the host's slowdowns of one request's hops are "
-        "(its legs, prefill step, answer, transfers, first token: the same few hundred ms, "
-        "mostly the same processes): the correlation of their normal scores, one factor shared "
-        "by a request's hops (a Gaussian copula). Measured from a live run; unset or zero, "
-        "every hop draws on its own [fraction]")
+        default=None, json_schema_extra={"unit": "fraction"},
+        description="how alike the host's slowdowns of one request's hops are (its legs, "
+        "prefill step, answer, transfers, first token: the same few hundred ms, mostly the "
+        "same processes): the correlation of their normal scores, one factor shared by a "
+        "request's hops (a Gaussian copula). Measured from a live run; unset or zero, every "
+        "hop draws on its own [fraction]")
     scenario_choices: list[ScenarioChoice] = Field(
         default_factory=list,
         description="scenario inputs chosen with published figures in view (their figures "

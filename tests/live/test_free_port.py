@@ -36,5 +36,6 @@ def test_a_port_in_use_is_skipped(monkeypatch) -> None:  # type: ignore[no-untyp
 
         monkeypatch.setattr(servers.random, "SystemRandom", lambda: Fixed())
         monkeypatch.setattr(servers, "_ephemeral_low", lambda: 65000)
+        monkeypatch.setattr(servers, "_HANDED_OUT", set())  # none of the picks handed out yet
         got = servers.free_port()
     assert got != busy and got in (20001, 20002, 20003)
